@@ -1,0 +1,134 @@
+"""The `cluster_sampling` block of a DeepSpeed JSON config.
+
+It lives at ``data_efficiency.data_sampling.cluster_sampling``; DeepSpeed keeps
+unknown keys there, so the same file drives both DeepSpeed and ds_cluster.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from typing import Any, Literal, Mapping, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+BLOCK_PATH = ("data_efficiency", "data_sampling", "cluster_sampling")
+
+# What the reference implementation does (DESIGN.md, "Paper preset").
+PAPER_PRESET: dict[str, Any] = {
+    "num_clusters": "auto",
+    "budget_mode": "min",
+    "selection": "peripheral",
+    "capacity_factor": 1.5,
+    "kmeans_n_init": 10,
+    "allocation": "cluster_per_rank",
+    "weighting": "cluster",
+    "feature_kind": "proxy",
+    "normalize_features": True,
+}
+
+
+class ClusterSamplingConfig(BaseModel):
+    """Settings of cluster-balanced sampling; see the README's table of keys."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    enabled: bool = False
+    preset: Optional[Literal["paper"]] = None
+    num_clusters: Union[Literal["auto"], int] = "auto"
+    budget_mode: Literal["min", "proportional", "equal", "neyman"] = "min"
+    budget_ratio: float = Field(1.0, gt=0.0, le=1.0)
+    budget_samples: Optional[int] = Field(None, ge=1)
+    selection: Literal["peripheral", "core", "random", "mix", "norm"] = "peripheral"
+    capacity_factor: Optional[float] = Field(1.5, ge=1.0)
+    capacity_neighbors: int = Field(8, ge=1)
+    kmeans_n_init: int = Field(10, ge=1)
+    kmeans_max_iter: int = Field(300, ge=1)
+    backend: Literal["sklearn", "faiss"] = "sklearn"
+    allocation: Literal["stratified", "cluster_per_rank"] = "stratified"
+    weighting: Literal["cluster", "none"] = "cluster"
+    seed: int = Field(1234, ge=0)
+    analysis_path: Optional[str] = None
+    feature_kind: Literal["proxy", "lm_head", "layers"] = "proxy"
+    feature_dim: Optional[int] = Field(None, ge=1)
+    normalize_features: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, values: Any) -> Any:
+        # A preset fills what the user did not set; explicit keys always win.
+        if isinstance(values, Mapping) and values.get("preset") == "paper":
+            merged = dict(PAPER_PRESET)
+            merged.update(values)
+            return merged
+        return values
+
+    @model_validator(mode="after")
+    def _check_num_clusters(self) -> "ClusterSamplingConfig":
+        if isinstance(self.num_clusters, int) and self.num_clusters < 1:
+            raise ValueError(f"num_clusters must be >= 1 or 'auto', got {self.num_clusters}")
+        return self
+
+    def resolved_num_clusters(self, world_size: int) -> int:
+        """K: the configured number, or the data-parallel world size for "auto"."""
+        return world_size if self.num_clusters == "auto" else int(self.num_clusters)
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_dict(cls, block: Mapping[str, Any], source: str = "cluster_sampling") -> "ClusterSamplingConfig":
+        """Validate a `cluster_sampling` block, turning pydantic's errors into one clear ValueError."""
+        if not isinstance(block, Mapping):
+            raise ValueError(f"{source}: expected a JSON object, got {type(block).__name__}")
+        unknown = [key for key in block if key not in cls.model_fields]
+        if unknown:
+            raise ValueError(_unknown_keys_message(unknown, source))
+        try:
+            return cls(**block)
+        except ValidationError as err:
+            raise ValueError(_validation_message(err, source)) from None
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Union[Mapping[str, Any], str, os.PathLike]) -> "ClusterSamplingConfig":
+        """Read the block from a DeepSpeed config (dict or path); absent block = disabled."""
+        config_dict, source = load_ds_config(ds_config)
+        block: Any = config_dict
+        for key in BLOCK_PATH:
+            if not isinstance(block, Mapping) or key not in block:
+                return cls(enabled=False)
+            block = block[key]
+        return cls.from_dict(block, source=f"{source}: {'.'.join(BLOCK_PATH)}")
+
+
+def load_ds_config(ds_config: Union[Mapping[str, Any], str, os.PathLike]) -> tuple[dict, str]:
+    """A DeepSpeed config as a dict, and a name for it in error messages."""
+    if isinstance(ds_config, Mapping):
+        return dict(ds_config), "config"
+    path = os.fspath(ds_config)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"DeepSpeed config file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            loaded = json.load(handle)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: a DeepSpeed config must be a JSON object")
+    return loaded, path
+
+
+def _unknown_keys_message(unknown: list[str], source: str) -> str:
+    allowed = sorted(ClusterSamplingConfig.model_fields)
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        parts.append(f"unknown key '{key}'{hint}")
+    return f"{source}: {'; '.join(parts)}. Allowed keys: {', '.join(allowed)}"
+
+
+def _validation_message(err: ValidationError, source: str) -> str:
+    problems = []
+    for item in err.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(block)"
+        problems.append(f"'{key}': {item['msg']} (got {item.get('input')!r})")
+    return f"{source}: invalid value for " + "; ".join(problems)

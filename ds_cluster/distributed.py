@@ -1,0 +1,168 @@
+"""Rank and world, MPI discovery that honours MASTER_ADDR, gathers, and plan agreement.
+
+This is one of the two ends of the pipeline allowed to touch torch.distributed.
+"""
+from __future__ import annotations
+
+import fcntl
+import gc
+import logging
+import os
+import socket
+import struct
+from datetime import timedelta
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def is_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def get_world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def launched_by_mpi() -> bool:
+    """True under mpirun without a torch-style launcher having set RANK."""
+    return "RANK" not in os.environ and any(var in os.environ for var in _MPI_RANK_VARS)
+
+
+def interface_address(ifname: str) -> Optional[str]:
+    """IPv4 address of a network interface (SIOCGIFADDR), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
+        return socket.inet_ntoa(packed[20:24])
+    except OSError:
+        return None
+
+
+def _own_address() -> str:
+    # The interface gloo is told to use is the one peers can reach us on.
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if ifname:
+        address = interface_address(ifname.split(",")[0])
+        if address:
+            return address
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def mpi_discovery(default_port: int = 29500) -> None:
+    """Set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from MPI.
+
+    DeepSpeed's own discovery takes rank 0's address from `hostname -I`, which
+    is not the loopback or private interface the job runs on; we take it from
+    MASTER_ADDR when set, else rank 0's address on GLOO_SOCKET_IFNAME,
+    broadcast over MPI.
+    """
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, world_size = comm.Get_rank(), comm.Get_size()
+    master_addr = os.environ.get("MASTER_ADDR") or (_own_address() if rank == 0 else None)
+    master_addr = comm.bcast(master_addr, root=0)
+    local_rank = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", 0)))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(local_rank),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=os.environ.get("MASTER_PORT", str(default_port)),
+    )
+    comm.Barrier()
+    logger.info("MPI discovery: rank %d of %d, master %s:%s", rank, world_size, master_addr, os.environ["MASTER_PORT"])
+
+
+def init_distributed(timeout_s: float = 600.0) -> None:
+    """Start the process group the way DeepSpeed does, after our own MPI discovery."""
+    if is_initialized():
+        return
+    if launched_by_mpi():
+        mpi_discovery()
+    else:
+        # A single process started by hand: DeepSpeed would fall back to MPI discovery.
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed
+
+    deepspeed.init_distributed(auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def all_gather_object(value: Any) -> list[Any]:
+    """Every rank's value, in rank order (just [value] without a process group)."""
+    import torch.distributed as dist
+
+    if not is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def check_agreement(value: Any, what: str) -> None:
+    """Raise on every rank, naming the ranks that differ from rank 0, if values disagree.
+
+    Every rank takes part in the same gather, so a disagreement is an error
+    everywhere instead of a hang later on.
+    """
+    values = all_gather_object(value)
+    differing = [rank for rank, other in enumerate(values) if other != values[0]]
+    if differing:
+        detail = ", ".join(f"rank {rank}: {values[rank]!r}" for rank in [0] + differing)
+        raise RuntimeError(
+            f"ranks disagree on the {what}: ranks {differing} differ from rank 0 ({detail}). "
+            "Every rank must see the same data, config and analysis directory."
+        )
+
+
+def agree_on_error(error: Optional[BaseException], what: str) -> None:
+    """Collective check: if any rank hit an error, raise a clear one on every rank.
+
+    Call it on every rank, passing the local exception (or None): ranks that
+    succeeded then fail too instead of waiting forever for the failed one.
+    """
+    messages = all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    failed = {rank: message for rank, message in enumerate(messages) if message is not None}
+    if not failed:
+        return
+    if error is not None and len(failed) == 1:
+        raise error
+    summary = "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
+    exc_type = type(error) if error is not None and isinstance(error, (ValueError, FileNotFoundError)) else RuntimeError
+    raise exc_type(f"{what} failed on ranks {sorted(failed)}: {summary}")
+
+
+def shutdown() -> None:
+    """Barrier and destroy the process group, so gloo does not abort at exit under MPI."""
+    import torch.distributed as dist
+
+    gc.collect()
+    if is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

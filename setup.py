@@ -1,0 +1,32 @@
+"""Package metadata for ds_cluster: cluster-balanced sampling for DeepSpeed fine-tuning."""
+from setuptools import find_packages, setup
+
+setup(
+    name="ds_cluster",
+    version="0.1.0",
+    description="CluSTER cluster-aware balanced sampling as a DeepSpeed data-efficiency hook",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["ds_cluster", "ds_cluster.*"]),
+    package_data={"ds_cluster": ["data/default/*.jsonl", "data/default/*.json"]},
+    install_requires=[
+        # torch is installed first by launch/setup_env.sh, pinned to the CPU build on disk.
+        "torch>=2.4",
+        "deepspeed>=0.19.5,<0.20",
+        "transformers>=4.45,<6",
+        "datasets>=3.0",
+        "scikit-learn>=1.4",
+        "numpy>=1.26",
+        "pydantic>=2.5,<3",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+        "accelerate>=1.0",
+    ],
+    extras_require={
+        "faiss": ["faiss-cpu>=1.8"],
+        "mpi": ["mpi4py>=3.1"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
+    },
+    entry_points={"console_scripts": ["ds-cluster=ds_cluster.cli:main"]},
+)
