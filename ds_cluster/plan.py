@@ -1,0 +1,343 @@
+"""The pure middle: features -> clusters -> selection -> allocation, as one Plan.
+
+`build_plan` composes the three stages; a Plan holds plain arrays, builds
+each epoch's schedule on demand, fingerprints itself, and saves to a folder.
+No torch, no process group: every rank builds the same Plan and compares
+fingerprints.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from ds_cluster.allocation import batch_quotas, check_batch_shape, epoch_schedule
+from ds_cluster.clustering import ClusterResult, cluster_features, cluster_from_labels, validate_features
+from ds_cluster.config import ClusterSamplingConfig
+from ds_cluster.selection import cluster_budgets, cluster_spreads, sample_weights, select_in_clusters
+
+logger = logging.getLogger(__name__)
+
+PLAN_FORMAT = 1
+_ARRAYS = ("labels", "centroids", "distances", "selected", "weights", "cluster_sizes", "kept_sizes")
+
+
+@dataclass
+class Plan:
+    """What to train on, with which weight, where and when.
+
+    labels: cluster of every sample (N,), -1 for samples left out (no features);
+    selected: sorted indices kept; weights: (N,) float64, 0 where not kept.
+    """
+
+    labels: np.ndarray
+    centroids: np.ndarray
+    distances: np.ndarray
+    selected: np.ndarray
+    weights: np.ndarray
+    cluster_sizes: np.ndarray
+    kept_sizes: np.ndarray
+    world_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    allocation: str
+    seed: int
+    settings: dict[str, Any] = field(default_factory=dict)
+    _quotas: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+
+    # ----------------------------------------------------------------- shape
+    @property
+    def num_samples(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def num_clusters(self) -> int:
+        return int(self.cluster_sizes.shape[0])
+
+    @property
+    def num_kept(self) -> int:
+        return int(self.selected.shape[0])
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.world_size * self.micro_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def steps_per_epoch(self) -> int:
+        if self.allocation == "cluster_per_rank":
+            return int(self.kept_sizes.min()) // (self.micro_batch_size * self.gradient_accumulation_steps)
+        return self.num_kept // self.global_batch_size
+
+    @property
+    def selected_labels(self) -> np.ndarray:
+        return self.labels[self.selected]
+
+    # -------------------------------------------------------------- schedule
+    def quotas(self) -> np.ndarray:
+        """Per global batch, how many samples of each cluster (steps, K); the same every epoch."""
+        if self._quotas is None:
+            if self.allocation == "cluster_per_rank":
+                per_rank = self.micro_batch_size * self.gradient_accumulation_steps
+                self._quotas = np.full((self.steps_per_epoch, self.num_clusters), per_rank, dtype=np.int64)
+            else:
+                self._quotas = batch_quotas(self.kept_sizes, self.global_batch_size)
+        return self._quotas
+
+    def schedule(self, epoch: int) -> np.ndarray:
+        """Sample indices of one epoch: int64 (steps, world_size, gradient_accumulation_steps, micro_batch_size)."""
+        return epoch_schedule(
+            self.selected,
+            self.selected_labels,
+            self.num_clusters,
+            world_size=self.world_size,
+            micro_batch_size=self.micro_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            mode=self.allocation,  # type: ignore[arg-type]
+            seed=self.seed,
+            epoch=epoch,
+            quotas=None if self.allocation == "cluster_per_rank" else self.quotas(),
+        )
+
+    # ---------------------------------------------------------- fingerprint
+    def fingerprint(self) -> str:
+        """Short hash of everything that determines the plan (arrays, batch shape, settings)."""
+        digest = hashlib.sha256()
+        for name in ("labels", "selected", "weights", "cluster_sizes", "kept_sizes"):
+            array = np.ascontiguousarray(getattr(self, name))
+            digest.update(name.encode())
+            digest.update(str(array.dtype).encode())
+            digest.update(array.tobytes())
+        header = {
+            "world_size": self.world_size,
+            "micro_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "allocation": self.allocation,
+            "seed": self.seed,
+            "settings": self.settings,
+        }
+        digest.update(json.dumps(header, sort_keys=True, default=str).encode())
+        return digest.hexdigest()[:16]
+
+    # ------------------------------------------------------------ save/load
+    def save(self, directory: Union[str, os.PathLike]) -> Path:
+        """Write the plan to a folder atomically (a temporary sibling, then rename)."""
+        target = Path(directory)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            for name in _ARRAYS:
+                np.save(staging / f"{name}.npy", getattr(self, name))
+            meta = {
+                "format": PLAN_FORMAT,
+                "world_size": self.world_size,
+                "micro_batch_size": self.micro_batch_size,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                "allocation": self.allocation,
+                "seed": self.seed,
+                "settings": self.settings,
+                "fingerprint": self.fingerprint(),
+            }
+            (staging / "plan.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return target
+
+    @classmethod
+    def load(cls, directory: Union[str, os.PathLike]) -> "Plan":
+        """Read a saved plan and check it against its recorded fingerprint."""
+        source = Path(directory)
+        meta_path = source / "plan.json"
+        if not meta_path.exists():
+            raise FileNotFoundError(f"no plan at {source}: {meta_path} is missing")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{meta_path}: not valid JSON ({err.msg})") from None
+        if meta.get("format") != PLAN_FORMAT:
+            raise ValueError(f"{meta_path}: plan format {meta.get('format')} is not {PLAN_FORMAT}")
+        arrays = {}
+        for name in _ARRAYS:
+            path = source / f"{name}.npy"
+            try:
+                arrays[name] = np.load(path, allow_pickle=False)
+            except (OSError, ValueError) as err:
+                raise ValueError(f"{path}: unreadable or truncated ({err})") from None
+        plan = cls(**arrays, world_size=meta["world_size"], micro_batch_size=meta["micro_batch_size"],
+                   gradient_accumulation_steps=meta["gradient_accumulation_steps"],
+                   allocation=meta["allocation"], seed=meta["seed"], settings=meta["settings"])
+        if plan.fingerprint() != meta["fingerprint"]:
+            raise ValueError(f"{source}: the plan's arrays do not match its recorded fingerprint (corrupt files?)")
+        return plan
+
+    # -------------------------------------------------------------- summary
+    def summary(self) -> dict[str, Any]:
+        """Plain numbers a person wants to see before training on the plan."""
+        kept_weights = self.weights[self.selected]
+        effective = float(kept_weights.sum() ** 2 / max((kept_weights ** 2).sum(), 1e-300))
+        quotas = self.quotas()
+        return {
+            "num_samples": self.num_samples,
+            "num_excluded": int((self.labels < 0).sum()),
+            "num_clusters": self.num_clusters,
+            "cluster_sizes": self.cluster_sizes.tolist(),
+            "kept_sizes": self.kept_sizes.tolist(),
+            "num_kept": self.num_kept,
+            "kept_fraction": self.num_kept / max(self.num_samples, 1),
+            "weight_min": float(kept_weights.min()),
+            "weight_max": float(kept_weights.max()),
+            "effective_sample_size": effective,
+            "world_size": self.world_size,
+            "micro_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "global_batch_size": self.global_batch_size,
+            "steps_per_epoch": self.steps_per_epoch,
+            "samples_per_epoch": self.steps_per_epoch * self.global_batch_size,
+            "allocation": self.allocation,
+            "clusters_per_step_min": int((quotas > 0).sum(axis=1).min()) if quotas.size else 0,
+            "fingerprint": self.fingerprint(),
+        }
+
+
+def build_plan(
+    features: Optional[np.ndarray],
+    config: ClusterSamplingConfig,
+    *,
+    world_size: int,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int,
+    labels: Optional[np.ndarray] = None,
+    exclude: Optional[np.ndarray] = None,
+) -> Plan:
+    """Cluster (unless labels are given), select a balanced subset, weight it, and allocate it.
+
+    features: (N, d) finite floats, or None when labels are given and the
+    selection needs no geometry ("random"). labels: (N,) ints >= 0 (a
+    cluster or category per sample; -1 leaves a sample out), which skips
+    k-means. exclude: (N,) bool, samples never trained on (e.g. no response
+    tokens); they get label -1 and weight 0.
+    """
+    check_batch_shape(world_size, micro_batch_size, gradient_accumulation_steps)
+    num_samples, points = _check_inputs(features, labels, exclude)
+    included = np.ones(num_samples, dtype=bool)
+    if exclude is not None:
+        included &= ~np.asarray(exclude, dtype=bool)
+    if labels is not None:
+        included &= np.asarray(labels) >= 0
+    kept_rows = np.flatnonzero(included)
+    if kept_rows.size == 0:
+        raise ValueError("every sample is excluded (no features or label -1): there is nothing to train on")
+
+    if labels is not None:
+        values, compact = np.unique(np.asarray(labels, dtype=np.int64)[kept_rows], return_inverse=True)
+        num_clusters = int(values.size)
+        clusters = cluster_from_labels(None if points is None else points[kept_rows], compact, num_clusters)
+    else:
+        num_clusters = config.resolved_num_clusters(world_size)
+        clusters = cluster_features(
+            points[kept_rows],
+            num_clusters=num_clusters,
+            n_init=config.kmeans_n_init,
+            max_iter=config.kmeans_max_iter,
+            capacity_factor=config.capacity_factor,
+            capacity_neighbors=config.capacity_neighbors,
+            backend=config.backend,
+            seed=config.seed,
+        )
+    if config.allocation == "cluster_per_rank" and num_clusters != world_size:
+        raise ValueError(
+            f"allocation 'cluster_per_rank' trains cluster r on rank r, so num_clusters must equal the world size: "
+            f"K={num_clusters}, W={world_size}; set num_clusters 'auto' or allocation 'stratified'"
+        )
+    full_labels, distances = _spread_to_all(clusters, kept_rows, num_samples)
+    cluster_sizes = np.bincount(clusters.labels, minlength=num_clusters).astype(np.int64)
+    has_geometry = points is not None
+    kept_sizes = cluster_budgets(
+        cluster_sizes, config.budget_mode, config.budget_ratio, config.budget_samples,
+        cluster_spreads(clusters.distances, clusters.labels, num_clusters) if has_geometry else None,
+    )
+    if config.allocation == "cluster_per_rank" and len(set(kept_sizes.tolist())) != 1:
+        raise ValueError(
+            f"allocation 'cluster_per_rank' needs the same kept count in every cluster, got {kept_sizes.tolist()}; "
+            "use budget_mode 'min' (the paper's) or allocation 'stratified'"
+        )
+    needs_choice = bool((kept_sizes < cluster_sizes).any())
+    selection = config.selection if (has_geometry or needs_choice) else "random"
+    norms = np.full(num_samples, np.nan)
+    if has_geometry:
+        norms[kept_rows] = np.linalg.norm(points[kept_rows].astype(np.float64), axis=1)
+    selected = select_in_clusters(full_labels, kept_sizes, selection,  # type: ignore[arg-type]
+                                  distances=distances if has_geometry else None,
+                                  norms=norms if has_geometry else None, seed=config.seed)
+    weights = sample_weights(full_labels, selected, cluster_sizes, kept_sizes, config.weighting)
+
+    plan = Plan(
+        labels=full_labels,
+        centroids=clusters.centroids,
+        distances=distances,
+        selected=selected,
+        weights=weights,
+        cluster_sizes=cluster_sizes,
+        kept_sizes=kept_sizes,
+        world_size=int(world_size),
+        micro_batch_size=int(micro_batch_size),
+        gradient_accumulation_steps=int(gradient_accumulation_steps),
+        allocation=config.allocation,
+        seed=config.seed,
+        settings=config.model_dump(exclude={"enabled", "analysis_path", "preset"}),
+    )
+    if plan.steps_per_epoch < 1:
+        per = "per rank (cluster_per_rank)" if config.allocation == "cluster_per_rank" else ""
+        need = (micro_batch_size * gradient_accumulation_steps if config.allocation == "cluster_per_rank"
+                else plan.global_batch_size)
+        raise ValueError(
+            f"the kept subset ({plan.num_kept} samples, smallest cluster keeps {int(kept_sizes.min())}) is smaller "
+            f"than one global batch {per} ({need} samples = world {world_size} x micro {micro_batch_size} x "
+            f"gas {gradient_accumulation_steps}); raise budget_ratio or lower the batch size"
+        )
+    logger.info("plan %s: %d clusters, kept %d of %d, %d steps per epoch", plan.fingerprint(), num_clusters,
+                plan.num_kept, num_samples, plan.steps_per_epoch)
+    return plan
+
+
+def _check_inputs(features: Optional[np.ndarray], labels: Optional[np.ndarray],
+                  exclude: Optional[np.ndarray]) -> tuple[int, Optional[np.ndarray]]:
+    points = None
+    if features is not None:
+        points = validate_features(features)
+        num_samples = points.shape[0]
+    elif labels is None:
+        raise ValueError("build_plan needs features, or labels to skip clustering")
+    if labels is not None:
+        label_array = np.asarray(labels)
+        if label_array.ndim != 1 or not np.issubdtype(label_array.dtype, np.integer):
+            raise ValueError(f"labels must be a 1-D integer array, got shape {label_array.shape}, dtype {label_array.dtype}")
+        if label_array.size == 0:
+            raise ValueError("labels is empty: there is nothing to plan")
+        if points is not None and label_array.shape[0] != points.shape[0]:
+            raise ValueError(f"labels has {label_array.shape[0]} entries but features has {points.shape[0]} rows")
+        if (label_array < -1).any():
+            raise ValueError(f"labels must be >= 0 (or -1 to leave a sample out); found {int(label_array.min())}")
+        num_samples = label_array.shape[0]
+    if exclude is not None and np.asarray(exclude).shape != (num_samples,):
+        raise ValueError(f"exclude must be a bool array of shape ({num_samples},), got {np.asarray(exclude).shape}")
+    return num_samples, points
+
+
+def _spread_to_all(clusters: ClusterResult, kept_rows: np.ndarray, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    labels = np.full(num_samples, -1, dtype=np.int64)
+    labels[kept_rows] = clusters.labels
+    distances = np.zeros(num_samples, dtype=np.float64)
+    distances[kept_rows] = clusters.distances
+    return labels, distances
