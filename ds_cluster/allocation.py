@@ -63,17 +63,18 @@ def epoch_schedule(
     seed: int,
     epoch: int,
     quotas: np.ndarray | None = None,
+    members: list[np.ndarray] | None = None,
 ) -> np.ndarray:
-    """Sample indices for one epoch: int64 (steps, world, gas, micro)."""
+    """Sample indices for one epoch: int64 (steps, world, gas, micro).
+
+    `members` (each cluster's kept indices, from `cluster_members`) may be
+    passed in to save a sort per epoch.
+    """
     check_batch_shape(world_size, micro_batch_size, gradient_accumulation_steps)
-    selected = np.asarray(selected, dtype=np.int64)
-    selected_labels = np.asarray(selected_labels, dtype=np.int64)
+    if members is None:
+        members = cluster_members(selected, selected_labels, num_clusters)
     rng = np.random.default_rng([seed, epoch, 0xA110C])
-    # Members of each cluster, shuffled for this epoch.
-    order = np.argsort(selected_labels, kind="stable")
-    bounds = np.searchsorted(selected_labels[order], np.arange(num_clusters + 1))
-    members = [selected[order[bounds[c]:bounds[c + 1]]][rng.permutation(bounds[c + 1] - bounds[c])]
-               for c in range(num_clusters)]
+    members = [group[rng.permutation(group.size)] for group in members]  # this epoch's order
     per_rank = micro_batch_size * gradient_accumulation_steps
     if mode == "cluster_per_rank":
         if num_clusters != world_size:
@@ -108,6 +109,14 @@ def epoch_schedule(
     return np.ascontiguousarray(
         batches.reshape(steps, micro_batch_size, gradient_accumulation_steps, world_size).transpose(0, 3, 2, 1)
     )
+
+
+def cluster_members(selected: np.ndarray, selected_labels: np.ndarray, num_clusters: int) -> list[np.ndarray]:
+    """The kept indices of each cluster, in index order."""
+    selected = np.asarray(selected, dtype=np.int64)
+    order = np.argsort(np.asarray(selected_labels, dtype=np.int64), kind="stable")
+    bounds = np.searchsorted(np.asarray(selected_labels)[order], np.arange(num_clusters + 1))
+    return [selected[order[bounds[c]:bounds[c + 1]]] for c in range(num_clusters)]
 
 
 def check_batch_shape(world_size: int, micro_batch_size: int, gradient_accumulation_steps: int) -> None:

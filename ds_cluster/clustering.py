@@ -75,7 +75,7 @@ def cluster_features(
         raise ValueError(f"backend must be 'sklearn' or 'faiss', got {backend!r}")
 
     neighbor_count = min(capacity_neighbors, num_clusters)
-    nearest, nearest_dist2 = nearest_centroids(points, centroids, neighbor_count, backend)
+    nearest, nearest_dist2 = nearest_centroids(points, centroids, neighbor_count)
     labels = nearest[:, 0].astype(np.int64)
     if capacity_factor is not None:
         capacity = math.ceil(capacity_factor * num_samples / num_clusters)
@@ -84,37 +84,45 @@ def cluster_features(
     return cluster_from_labels(points, labels, num_clusters)
 
 
-def cluster_from_labels(features: Optional[np.ndarray], labels: np.ndarray, num_clusters: int) -> ClusterResult:
+def cluster_from_labels(features: Optional[np.ndarray], labels: np.ndarray, num_clusters: int,
+                        chunk: int = 65536) -> ClusterResult:
     """Centroids as member means and distances to them; features may be None (no geometry)."""
+    from scipy import sparse
+
     labels = np.asarray(labels, dtype=np.int64)
     if features is None:
         return ClusterResult(labels, np.zeros((num_clusters, 0), np.float32), np.zeros(labels.shape[0]))
-    points = np.asarray(features, dtype=np.float64)
+    points = np.asarray(features)
+    # Member sums as one sparse (K x N) @ (N x d) product: np.add.at is far slower at N = 1M.
+    membership = sparse.csr_matrix(
+        (np.ones(labels.size, dtype=points.dtype), (labels, np.arange(labels.size))),
+        shape=(num_clusters, labels.size),
+    )
+    sums = np.asarray(membership @ points, dtype=np.float64)
     counts = np.bincount(labels, minlength=num_clusters).astype(np.float64)
-    sums = np.zeros((num_clusters, points.shape[1]))
-    np.add.at(sums, labels, points)
     centroids = sums / np.maximum(counts, 1.0)[:, None]
-    distances = np.linalg.norm(points - centroids[labels], axis=1)
+    distances = np.empty(labels.size, dtype=np.float64)
+    for start in range(0, labels.size, chunk):  # chunked: a full (N, d) float64 difference can be GBs
+        diff = points[start:start + chunk] - centroids[labels[start:start + chunk]]
+        distances[start:start + chunk] = np.sqrt(np.einsum("ij,ij->i", diff, diff))
     return ClusterResult(labels, centroids.astype(np.float32), distances)
 
 
 def nearest_centroids(
-    points: np.ndarray, centroids: np.ndarray, count: int, backend: str = "sklearn", chunk: int = 65536
+    points: np.ndarray, centroids: np.ndarray, count: int, chunk: int = 65536
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Indices and squared distances of each point's `count` nearest centres, nearest first."""
-    if backend == "faiss":
-        import faiss
+    """Indices and squared distances of each point's `count` nearest centres, nearest first.
 
-        index = faiss.IndexFlatL2(centroids.shape[1])
-        index.add(np.ascontiguousarray(centroids, dtype=np.float32))
-        dist2, nearest = index.search(np.ascontiguousarray(points, dtype=np.float32), count)
-        return nearest.astype(np.int64), dist2.astype(np.float64)
+    Chunked float32 GEMM (measured faster than a faiss flat search on 2 cores).
+    """
+    centres = centroids.astype(np.float32)
     centre_norms = (centroids.astype(np.float64) ** 2).sum(axis=1)
     nearest = np.empty((points.shape[0], count), dtype=np.int64)
     nearest_dist2 = np.empty((points.shape[0], count), dtype=np.float64)
     for start in range(0, points.shape[0], chunk):
-        block = points[start:start + chunk].astype(np.float64)
-        dist2 = (block ** 2).sum(axis=1)[:, None] - 2.0 * block @ centroids.T.astype(np.float64) + centre_norms
+        block = points[start:start + chunk].astype(np.float32)
+        block_norms = np.einsum("ij,ij->i", block, block, dtype=np.float64)
+        dist2 = block_norms[:, None] - 2.0 * (block @ centres.T).astype(np.float64) + centre_norms
         np.maximum(dist2, 0.0, out=dist2)
         if count < dist2.shape[1]:
             part = np.argpartition(dist2, count - 1, axis=1)[:, :count]
@@ -132,36 +140,61 @@ def capped_assignment(
 ) -> np.ndarray:
     """The paper's greedy reassignment under a capacity.
 
-    (point, centre) pairs among each point's nearest centres are taken in order
-    of increasing distance; a point goes to the first centre that still has
-    room. Points whose candidates are all full go to the nearest centre with
-    room among all centres, so no cluster ends above `capacity`.
+    Taken literally: (point, centre) pairs among each point's nearest centres
+    are visited in order of increasing distance, and a point goes to the first
+    centre that still has room. We compute the same result event by event
+    (vectorised): every point proposes to its nearest centre that is not yet
+    full; the centre whose capacity-th closest proposal is nearest fills first
+    and keeps those, the rest move on to their next candidate; repeat (at most
+    K events). Points whose candidates are all full go to the nearest centre
+    with room among all centres, so no cluster ends above `capacity`.
     """
     num_samples, num_clusters = points.shape[0], centroids.shape[0]
     if capacity * num_clusters < num_samples:
         raise ValueError(f"capacity {capacity} x {num_clusters} clusters cannot hold {num_samples} samples")
-    flat_order = np.lexsort((nearest.ravel(), np.arange(nearest.size), nearest_dist2.ravel()))
-    candidate_point = (flat_order // nearest.shape[1]).tolist()
-    candidate_centre = nearest.ravel()[flat_order].tolist()
-    labels = [-1] * num_samples
-    room = [capacity] * num_clusters
-    for point, centre in zip(candidate_point, candidate_centre):
-        if labels[point] < 0 and room[centre] > 0:
-            labels[point] = centre
-            room[centre] -= 1
-    label_array = np.asarray(labels, dtype=np.int64)
-    unplaced = np.flatnonzero(label_array < 0)
+    num_candidates = nearest.shape[1]
+    rows = np.arange(num_samples)
+    position = np.zeros(num_samples, dtype=np.int64)  # which candidate each point proposes to
+    full = np.zeros(num_clusters, dtype=bool)
+    locked = np.zeros(num_samples, dtype=bool)  # accepted by a centre that filled up
+    while True:
+        # Skip candidates that are already full.
+        while True:
+            live = ~locked & (position < num_candidates)
+            centre = np.where(live, nearest[rows, np.minimum(position, num_candidates - 1)], -1)
+            blocked = live & full[np.maximum(centre, 0)]
+            if not blocked.any():
+                break
+            position[blocked] += 1
+        proposing = np.flatnonzero(live)
+        counts = np.bincount(centre[proposing], minlength=num_clusters)
+        overfull = np.flatnonzero((counts > capacity) & ~full)
+        if overfull.size == 0:
+            break
+        distance = nearest_dist2[proposing, position[proposing]]
+        fill_time = {}
+        for candidate in overfull.tolist():
+            mine = distance[centre[proposing] == candidate]
+            fill_time[candidate] = np.partition(mine, capacity - 1)[capacity - 1]
+        first = min(fill_time, key=lambda c: (fill_time[c], c))
+        mine = proposing[centre[proposing] == first]
+        keep_order = np.lexsort((mine, nearest_dist2[mine, position[mine]]))
+        locked[mine[keep_order[:capacity]]] = True
+        position[mine[keep_order[capacity:]]] += 1
+        full[first] = True
+    labels = np.where(position < num_candidates, nearest[rows, np.minimum(position, num_candidates - 1)], -1)
+    unplaced = np.flatnonzero(labels < 0)
     if unplaced.size:
+        room = capacity - np.bincount(labels[labels >= 0], minlength=num_clusters)
         all_nearest, all_dist2 = nearest_centroids(points[unplaced], centroids, num_clusters)
-        pairs = np.lexsort((all_nearest.ravel(), all_dist2.ravel()))
-        for flat in pairs.tolist():
-            point, centre = int(unplaced[flat // num_clusters]), int(all_nearest.ravel()[flat])
-            if label_array[point] < 0 and room[centre] > 0:
-                label_array[point] = centre
-                room[centre] -= 1
+        for flat in np.lexsort((np.arange(all_dist2.size), all_dist2.ravel())).tolist():
+            point, centre_id = flat // num_clusters, int(all_nearest.ravel()[flat])
+            if labels[unplaced[point]] < 0 and room[centre_id] > 0:
+                labels[unplaced[point]] = centre_id
+                room[centre_id] -= 1
     logger.info("capacity cap %d moved %d samples off their nearest centre", capacity,
-                int((label_array != nearest[:, 0]).sum()))
-    return label_array
+                int((labels != nearest[:, 0]).sum()))
+    return labels.astype(np.int64)
 
 
 def _kmeans_sklearn(points: np.ndarray, num_clusters: int, n_init: int, max_iter: int, seed: int) -> np.ndarray:
@@ -173,11 +206,28 @@ def _kmeans_sklearn(points: np.ndarray, num_clusters: int, n_init: int, max_iter
 
 
 def _kmeans_faiss(points: np.ndarray, num_clusters: int, n_init: int, max_iter: int, seed: int) -> np.ndarray:
+    """faiss k-means: the n_init restarts on 64 points per centre, the best refined on 256 per centre.
+
+    faiss itself trains on at most 256 points per centre; running the restarts
+    on a coarser sample is what keeps N = 1M, K = 64 within seconds on 2 cores.
+    """
     try:
         import faiss
     except ImportError as err:
         raise ValueError("backend 'faiss' needs the faiss package: pip install 'ds_cluster[faiss]'") from err
-    kmeans = faiss.Kmeans(points.shape[1], num_clusters, niter=min(max_iter, 50), nredo=n_init, seed=seed,
-                          verbose=False, spherical=False)
-    kmeans.train(np.ascontiguousarray(points, dtype=np.float32))
-    return np.asarray(kmeans.centroids, dtype=np.float32)
+    rng = np.random.default_rng([seed, 0xFA155])
+    dim = points.shape[1]
+    iterations = min(max_iter, 25)
+
+    def sample(per_centre: int) -> np.ndarray:
+        size = min(points.shape[0], per_centre * num_clusters)
+        rows = np.sort(rng.choice(points.shape[0], size=size, replace=False))
+        return np.ascontiguousarray(points[rows], dtype=np.float32)
+
+    restarts = faiss.Kmeans(dim, num_clusters, niter=iterations, nredo=n_init, seed=seed, verbose=False,
+                            max_points_per_centroid=1 << 30, min_points_per_centroid=1)
+    restarts.train(sample(64))
+    refine = faiss.Kmeans(dim, num_clusters, niter=iterations, nredo=1, seed=seed, verbose=False,
+                          max_points_per_centroid=1 << 30, min_points_per_centroid=1)
+    refine.train(sample(256), init_centroids=np.asarray(restarts.centroids, dtype=np.float32))
+    return np.asarray(refine.centroids, dtype=np.float32)

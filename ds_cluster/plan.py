@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from ds_cluster.allocation import batch_quotas, check_batch_shape, epoch_schedule
+from ds_cluster.allocation import batch_quotas, check_batch_shape, cluster_members, epoch_schedule
 from ds_cluster.clustering import ClusterResult, cluster_features, cluster_from_labels, validate_features
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.selection import cluster_budgets, cluster_spreads, sample_weights, select_in_clusters
@@ -52,6 +52,8 @@ class Plan:
     seed: int
     settings: dict[str, Any] = field(default_factory=dict)
     _quotas: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+    _members: Optional[list] = field(default=None, repr=False, compare=False)
+    _fingerprint: Optional[str] = field(default=None, repr=False, compare=False)
 
     # ----------------------------------------------------------------- shape
     @property
@@ -104,11 +106,22 @@ class Plan:
             seed=self.seed,
             epoch=epoch,
             quotas=None if self.allocation == "cluster_per_rank" else self.quotas(),
+            members=self._cluster_members(),
         )
+
+    def _cluster_members(self) -> list:
+        if self._members is None:
+            self._members = cluster_members(self.selected, self.selected_labels, self.num_clusters)
+        return self._members
 
     # ---------------------------------------------------------- fingerprint
     def fingerprint(self) -> str:
         """Short hash of everything that determines the plan (arrays, batch shape, settings)."""
+        if self._fingerprint is None:
+            self._fingerprint = self._compute_fingerprint()
+        return self._fingerprint
+
+    def _compute_fingerprint(self) -> str:
         digest = hashlib.sha256()
         for name in ("labels", "selected", "weights", "cluster_sizes", "kept_sizes"):
             array = np.ascontiguousarray(getattr(self, name))
@@ -177,7 +190,7 @@ class Plan:
         plan = cls(**arrays, world_size=meta["world_size"], micro_batch_size=meta["micro_batch_size"],
                    gradient_accumulation_steps=meta["gradient_accumulation_steps"],
                    allocation=meta["allocation"], seed=meta["seed"], settings=meta["settings"])
-        if plan.fingerprint() != meta["fingerprint"]:
+        if plan._compute_fingerprint() != meta["fingerprint"]:
             raise ValueError(f"{source}: the plan's arrays do not match its recorded fingerprint (corrupt files?)")
         return plan
 
@@ -239,14 +252,15 @@ def build_plan(
     if kept_rows.size == 0:
         raise ValueError("every sample is excluded (no features or label -1): there is nothing to train on")
 
+    # Avoid copying (N, d) features when nothing is left out.
+    included_points = None if points is None else (points if kept_rows.size == num_samples else points[kept_rows])
     if labels is not None:
-        values, compact = np.unique(np.asarray(labels, dtype=np.int64)[kept_rows], return_inverse=True)
-        num_clusters = int(values.size)
-        clusters = cluster_from_labels(None if points is None else points[kept_rows], compact, num_clusters)
+        compact, num_clusters = _compact_labels(np.asarray(labels, dtype=np.int64)[kept_rows])
+        clusters = cluster_from_labels(included_points, compact, num_clusters)
     else:
         num_clusters = config.resolved_num_clusters(world_size)
         clusters = cluster_features(
-            points[kept_rows],
+            included_points,
             num_clusters=num_clusters,
             n_init=config.kmeans_n_init,
             max_iter=config.kmeans_max_iter,
@@ -275,8 +289,8 @@ def build_plan(
     needs_choice = bool((kept_sizes < cluster_sizes).any())
     selection = config.selection if (has_geometry or needs_choice) else "random"
     norms = np.full(num_samples, np.nan)
-    if has_geometry:
-        norms[kept_rows] = np.linalg.norm(points[kept_rows].astype(np.float64), axis=1)
+    if has_geometry and selection == "norm":
+        norms[kept_rows] = _row_norms(included_points)
     selected = select_in_clusters(full_labels, kept_sizes, selection,  # type: ignore[arg-type]
                                   distances=distances if has_geometry else None,
                                   norms=norms if has_geometry else None, seed=config.seed)
@@ -333,6 +347,21 @@ def _check_inputs(features: Optional[np.ndarray], labels: Optional[np.ndarray],
     if exclude is not None and np.asarray(exclude).shape != (num_samples,):
         raise ValueError(f"exclude must be a bool array of shape ({num_samples},), got {np.asarray(exclude).shape}")
     return num_samples, points
+
+
+def _compact_labels(labels: np.ndarray) -> tuple[np.ndarray, int]:
+    """Labels renumbered 0..K-1 in order of their values (an O(N) bincount, not a sort)."""
+    present = np.bincount(labels) > 0
+    new_id = np.cumsum(present) - 1
+    return new_id[labels].astype(np.int64), int(present.sum())
+
+
+def _row_norms(points: np.ndarray, chunk: int = 65536) -> np.ndarray:
+    norms = np.empty(points.shape[0], dtype=np.float64)
+    for start in range(0, points.shape[0], chunk):
+        block = points[start:start + chunk].astype(np.float64)
+        norms[start:start + chunk] = np.sqrt(np.einsum("ij,ij->i", block, block))
+    return norms
 
 
 def _spread_to_all(clusters: ClusterResult, kept_rows: np.ndarray, num_samples: int) -> tuple[np.ndarray, np.ndarray]:

@@ -347,3 +347,32 @@ def test_config_from_deepspeed_json_and_preset(tmp_path):
     assert cfg.enabled and cfg.allocation == "cluster_per_rank" and cfg.budget_mode == "min"
     assert cfg.capacity_factor == 1.5 and cfg.kmeans_n_init == 10 and cfg.budget_ratio == 0.5
     assert not ClusterSamplingConfig.from_ds_config({"train_batch_size": 8}).enabled
+
+
+def _literal_capped_greedy(nearest, dist2, capacity, num_clusters):
+    """The paper's rule read literally: pairs by increasing distance, first centre with room."""
+    pairs = sorted((dist2[p, j], p, j) for p in range(nearest.shape[0]) for j in range(nearest.shape[1]))
+    labels, room = [-1] * nearest.shape[0], [capacity] * num_clusters
+    for _, point, j in pairs:
+        centre = nearest[point, j]
+        if labels[point] < 0 and room[centre] > 0:
+            labels[point], room[centre] = centre, room[centre] - 1
+    return labels
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(2, 6), st.integers(1, 4), st.integers(0, 10_000), st.floats(1.0, 2.0))
+def test_capped_assignment_matches_the_literal_greedy(num_clusters, neighbours, seed, alpha):
+    from ds_cluster.clustering import capped_assignment, nearest_centroids
+
+    rng = np.random.default_rng(seed)
+    points = np.concatenate([rng.normal(0, 1, (30, 2)), rng.normal(4, 1, (5, 2))])
+    centroids = rng.normal(0, 2, (num_clusters, 2))
+    count = min(neighbours, num_clusters)
+    nearest, dist2 = nearest_centroids(points, centroids, count)
+    capacity = math.ceil(alpha * len(points) / num_clusters)
+    labels = capped_assignment(points, centroids, nearest, dist2, capacity)
+    assert np.bincount(labels, minlength=num_clusters).max() <= capacity
+    literal = _literal_capped_greedy(nearest, dist2, capacity, num_clusters)
+    placed = np.array(literal) >= 0
+    assert np.array_equal(labels[placed], np.array(literal)[placed])
