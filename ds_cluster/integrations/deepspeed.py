@@ -1,0 +1,255 @@
+"""The DeepSpeed hook: a cluster-balanced loader in the curriculum sampler's place.
+
+`ds_cluster.install()` makes `deepspeed.initialize(..., training_data=ds,
+config=cfg)` return a loader driven by the plan whenever the config's
+`cluster_sampling` block is enabled; without the block DeepSpeed runs
+exactly as before. `ds_cluster.initialize(...)` does the same as a call.
+
+Why not DeepSpeed's own data-sampling path: the engine only builds its
+`DeepSpeedDataSampler` when curriculum learning is on, and then saves the
+global numpy RNG instead of the sampler's position (DeepSpeed issue #8405).
+We initialise the engine without training data and attach our own loader,
+and we carry the loader's state through `client_state`, the public way to
+put extra state in DeepSpeed checkpoints.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from ds_cluster import distributed
+from ds_cluster.config import ClusterSamplingConfig, load_ds_config
+from ds_cluster.plan import Plan, build_plan
+from ds_cluster.sampler import ClusterDataLoader
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_DEEPSPEED = ((0, 19, 5), (0, 20, 0))  # tested range: >=0.19.5,<0.20
+CHECKPOINT_KEY = "ds_cluster_sampler"
+
+
+# ------------------------------------------------------------------ install
+def install() -> None:
+    """Route `deepspeed.initialize` through ds_cluster (idempotent). Call it before initialize."""
+    import deepspeed
+
+    check_deepspeed_version(deepspeed.__version__)
+    if getattr(deepspeed.initialize, "_ds_cluster_hook", False):
+        return
+    original = deepspeed.initialize
+
+    @functools.wraps(original)
+    def hooked_initialize(*args: Any, **kwargs: Any):
+        return _initialize(original, *args, **kwargs)
+
+    hooked_initialize._ds_cluster_hook = True  # type: ignore[attr-defined]
+    deepspeed.initialize = hooked_initialize
+
+
+def uninstall() -> None:
+    """Put DeepSpeed's own `initialize` back."""
+    import deepspeed
+
+    if getattr(deepspeed.initialize, "_ds_cluster_hook", False):
+        deepspeed.initialize = deepspeed.initialize.__wrapped__
+
+
+def initialize(*args: Any, **kwargs: Any):
+    """`deepspeed.initialize` with cluster-balanced sampling; same arguments, same return value."""
+    import deepspeed
+
+    check_deepspeed_version(deepspeed.__version__)
+    original = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
+    return _initialize(original, *args, **kwargs)
+
+
+def check_deepspeed_version(version: str) -> None:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    found = tuple(parts + [0] * (3 - len(parts)))
+    low, high = SUPPORTED_DEEPSPEED
+    if not low <= found < high:
+        raise RuntimeError(
+            f"ds_cluster is tested with deepspeed >=0.19.5,<0.20 and found deepspeed {version}; "
+            "install a tested version: pip install 'deepspeed>=0.19.5,<0.20'"
+        )
+
+
+# --------------------------------------------------------------- initialize
+def _config_from_call(args: Any, kwargs: dict) -> Any:
+    """The DeepSpeed config as initialize sees it: `config`, `config_params`, or args.deepspeed_config."""
+    for key in ("config", "config_params"):
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+    for name in ("deepspeed_config", "deepspeed"):
+        value = getattr(args, name, None) if args is not None else None
+        if isinstance(value, (str, os.PathLike)):
+            return value
+    return None
+
+
+def _initialize(original, *args: Any, **kwargs: Any):
+    call_args = kwargs.get("args", args[0] if args else None)
+    ds_config = _config_from_call(call_args, kwargs)
+    cluster_config = ClusterSamplingConfig.from_ds_config(ds_config) if ds_config is not None else None
+    if cluster_config is None or not cluster_config.enabled:
+        return original(*args, **kwargs)
+
+    config_dict, source = load_ds_config(ds_config)
+    if "training_data" in kwargs:
+        training_data = kwargs.pop("training_data")
+    else:
+        raise ValueError("cluster_sampling is enabled but deepspeed.initialize got no training_data to sample from")
+    collate_fn = kwargs.pop("collate_fn", None)
+    if training_data is None:
+        raise ValueError("cluster_sampling is enabled but training_data is None")
+
+    if kwargs.get("dist_init_required", None) is not False:
+        distributed.init_distributed()
+    # Everything that can be checked before the engine exists is checked on every rank, and a
+    # failure on any rank becomes an error on all of them (no rank left waiting in a collective).
+    error: Optional[BaseException] = None
+    inputs = None
+    try:
+        check_no_curriculum(config_dict, source)
+        inputs = load_plan_inputs(cluster_config, len(training_data))
+    except (ValueError, FileNotFoundError) as err:
+        error = err
+    distributed.agree_on_error(error, "cluster_sampling set-up")
+
+    engine, optimizer, _, lr_scheduler = original(*args, **kwargs)
+    rank = _data_parallel_rank(engine)
+    error, plan = None, None
+    try:
+        plan = build_plan(
+            inputs.features, cluster_config,
+            world_size=engine.dp_world_size,
+            micro_batch_size=engine.train_micro_batch_size_per_gpu(),
+            gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+            labels=inputs.labels, exclude=inputs.exclude,
+        )
+    except ValueError as err:
+        error = err
+    distributed.agree_on_error(error, "building the cluster plan")
+    assert plan is not None
+    distributed.check_agreement(plan.fingerprint(), "cluster plan fingerprint")
+
+    loader = ClusterDataLoader(training_data, plan, rank, collate_fn=collate_fn)
+    engine.training_dataloader = loader
+    attach_checkpoint_state(engine, loader)
+    if rank == 0:
+        summary = plan.summary()
+        logger.info("ds_cluster: kept %d of %d samples in %d clusters; %d steps per epoch; plan %s",
+                    summary["num_kept"], summary["num_samples"], summary["num_clusters"],
+                    summary["steps_per_epoch"], summary["fingerprint"])
+    return engine, optimizer, loader, lr_scheduler
+
+
+def _data_parallel_rank(engine: Any) -> int:
+    if getattr(engine, "mpu", None) is not None:
+        return int(engine.mpu.get_data_parallel_rank())
+    import torch.distributed as dist
+
+    return int(dist.get_rank(group=engine.data_parallel_group)) if dist.is_initialized() else 0
+
+
+def check_no_curriculum(config_dict: dict, source: str) -> None:
+    """Cluster sampling replaces the curriculum sampler; both at once is an error."""
+    efficiency = config_dict.get("data_efficiency", {}) or {}
+    sampling = efficiency.get("data_sampling", {}) or {}
+    curriculum = sampling.get("curriculum_learning", {}) or {}
+    legacy = config_dict.get("curriculum_learning", {}) or {}
+    if curriculum.get("enabled") or legacy.get("enabled"):
+        where = ("data_efficiency.data_sampling.curriculum_learning" if curriculum.get("enabled")
+                 else "curriculum_learning")
+        raise ValueError(
+            f"{source}: {where} and cluster_sampling are both enabled; cluster sampling takes the curriculum "
+            f"sampler's place, so set {where}.enabled to false (or disable cluster_sampling)"
+        )
+
+
+class PlanInputs:
+    """What the plan is built from: features and/or labels of an analysis, and left-out samples."""
+
+    def __init__(self, features: Optional[np.ndarray], labels: Optional[np.ndarray], exclude: Optional[np.ndarray]):
+        self.features, self.labels, self.exclude = features, labels, exclude
+
+
+def load_plan_inputs(config: ClusterSamplingConfig, dataset_size: int) -> PlanInputs:
+    """Read `features.npy` and/or `labels.npy` from analysis_path and check them against the dataset."""
+    if not config.analysis_path:
+        raise ValueError(
+            "cluster_sampling.analysis_path is not set: point it at the directory written by "
+            "`ds-cluster analyze` (features.npy and/or labels.npy)"
+        )
+    folder = Path(config.analysis_path)
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"cluster_sampling.analysis_path {folder} does not exist (or is not a directory visible to this "
+            "rank; the analysis directory must be on a filesystem every rank can read); run `ds-cluster analyze` first"
+        )
+    features = _load_array(folder / "features.npy", ndim=2)
+    labels = _load_array(folder / "labels.npy", ndim=1)
+    if features is None and labels is None:
+        raise FileNotFoundError(f"{folder} holds neither features.npy nor labels.npy")
+    for name, array in (("features.npy", features), ("labels.npy", labels)):
+        if array is not None and array.shape[0] != dataset_size:
+            raise ValueError(
+                f"{folder / name} has {array.shape[0]} rows but the training dataset has {dataset_size} samples: "
+                "the analysis was made for different data; rerun `ds-cluster analyze` on this dataset"
+            )
+    exclude = None
+    if features is not None:
+        # All-zero rows are samples without response tokens: no gradient, so no cluster.
+        exclude = ~np.any(features != 0, axis=1)
+        if not exclude.any():
+            exclude = None
+    if labels is not None and not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"{folder / 'labels.npy'} must hold integers, got {labels.dtype}")
+    return PlanInputs(features, labels, exclude)
+
+
+def _load_array(path: Path, ndim: int) -> Optional[np.ndarray]:
+    if not path.exists():
+        return None
+    try:
+        array = np.load(path, allow_pickle=False, mmap_mode="r")
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: unreadable or truncated .npy file ({err}); rerun `ds-cluster analyze`") from None
+    if array.ndim != ndim:
+        raise ValueError(f"{path}: expected a {ndim}-D array, got shape {array.shape}")
+    return np.asarray(array)
+
+
+# -------------------------------------------------------------- checkpoints
+def attach_checkpoint_state(engine: Any, loader: ClusterDataLoader) -> None:
+    """Make `engine.save_checkpoint`/`load_checkpoint` carry the loader's position."""
+    save_checkpoint, load_checkpoint = engine.save_checkpoint, engine.load_checkpoint
+
+    @functools.wraps(save_checkpoint)
+    def save_with_sampler(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        state = dict(client_state or {})
+        state[CHECKPOINT_KEY] = loader.state_dict()
+        return save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kwargs)
+
+    @functools.wraps(load_checkpoint)
+    def load_with_sampler(load_dir, tag=None, **kwargs):
+        load_path, client_state = load_checkpoint(load_dir, tag=tag, **kwargs)
+        if load_path is not None and client_state is not None:
+            sampler_state = client_state.pop(CHECKPOINT_KEY, None)
+            if sampler_state is None:
+                logger.warning("checkpoint %s holds no ds_cluster sampler state; starting the plan from epoch 0",
+                               load_path)
+            else:
+                loader.load_state_dict(sampler_state)
+        return load_path, client_state
+
+    engine.save_checkpoint = save_with_sampler
+    engine.load_checkpoint = load_with_sampler

@@ -1,0 +1,146 @@
+"""Stage 5: one rank's data loader over a Plan, with a state that resumes exactly.
+
+The loader hands out this rank's micro-batches from `Plan.schedule(epoch)`
+and counts what the training loop has actually taken (not what a prefetching
+DataLoader has read ahead), so the state saved with a checkpoint is the
+position of the next micro-batch to train on.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from ds_cluster.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_INDEX = "sample_index"
+SAMPLE_WEIGHT = "sample_weight"
+STATE_VERSION = 1
+
+
+class WeightedDataset(Dataset):
+    """The user's dataset, each item with its index and its plan weight beside the user's fields.
+
+    Dict items gain `sample_index` (int64) and `sample_weight` (float32);
+    tuple/list items gain the two as their last two elements.
+    """
+
+    def __init__(self, dataset: Dataset, weights: np.ndarray):
+        self.dataset = dataset
+        self.weights = np.asarray(weights, dtype=np.float32)
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        item = self.dataset[index]
+        sample_index = torch.tensor(index, dtype=torch.int64)
+        sample_weight = torch.tensor(self.weights[index], dtype=torch.float32)
+        if isinstance(item, dict):
+            return {**item, SAMPLE_INDEX: sample_index, SAMPLE_WEIGHT: sample_weight}
+        if isinstance(item, (tuple, list)):
+            return (*item, sample_index, sample_weight)
+        raise TypeError(f"dataset items must be dicts or tuples to carry sample weights, got {type(item).__name__}")
+
+
+def weighted_collate(collate_fn: Optional[Callable] = None) -> Callable:
+    """Collate with the user's function, then add the stacked index and weight tensors."""
+    user_collate = collate_fn or default_collate
+
+    def collate(items: list) -> Any:
+        if isinstance(items[0], dict):
+            indices = torch.stack([item[SAMPLE_INDEX] for item in items])
+            weights = torch.stack([item[SAMPLE_WEIGHT] for item in items])
+            batch = user_collate([{k: v for k, v in item.items() if k not in (SAMPLE_INDEX, SAMPLE_WEIGHT)}
+                                  for item in items])
+            batch[SAMPLE_INDEX], batch[SAMPLE_WEIGHT] = indices, weights
+            return batch
+        indices = torch.stack([item[-2] for item in items])
+        weights = torch.stack([item[-1] for item in items])
+        batch = user_collate([tuple(item[:-2]) for item in items])
+        return (*batch, indices, weights) if isinstance(batch, (tuple, list)) else (batch, indices, weights)
+
+    return collate
+
+
+class ClusterDataLoader:
+    """Iterates this rank's micro-batches of one epoch at a time; `state_dict` says where it is.
+
+    `for batch in loader` gives the rest of the current epoch (all of it on a
+    fresh start); when an epoch is used up the next iteration starts the
+    next epoch. `len(loader)` is the number of micro-batches in an epoch.
+    """
+
+    def __init__(self, dataset: Dataset, plan: Plan, rank: int, *, collate_fn: Optional[Callable] = None,
+                 num_workers: int = 0, pin_memory: bool = False):
+        if not 0 <= rank < plan.world_size:
+            raise ValueError(f"rank {rank} is outside the plan's world size {plan.world_size}")
+        self.plan = plan
+        self.rank = rank
+        self.dataset = WeightedDataset(dataset, plan.weights)
+        self.collate_fn = weighted_collate(collate_fn)
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.epoch = 0
+        self.position = 0  # micro-batches of this epoch already handed to the training loop
+        self._schedule_epoch: Optional[int] = None
+        self._schedule: Optional[np.ndarray] = None
+
+    # ------------------------------------------------------------ iteration
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        return self.plan.steps_per_epoch * self.plan.gradient_accumulation_steps
+
+    def __len__(self) -> int:
+        return self.micro_batches_per_epoch
+
+    @property
+    def completed_epochs(self) -> int:
+        """Epochs fully handed out so far (the current one counts once its last micro-batch is taken)."""
+        return self.epoch + (1 if self.position >= self.micro_batches_per_epoch else 0)
+
+    def rank_schedule(self, epoch: int) -> np.ndarray:
+        """This rank's indices for an epoch: (micro-batches, micro_batch_size), in training order."""
+        if self._schedule_epoch != epoch:
+            full = self.plan.schedule(epoch)
+            self._schedule = full[:, self.rank].reshape(-1, self.plan.micro_batch_size)
+            self._schedule_epoch = epoch
+        assert self._schedule is not None
+        return self._schedule
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the given epoch from its beginning (DistributedSampler's convention)."""
+        if epoch != self.epoch:
+            self.epoch, self.position = int(epoch), 0
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.position >= self.micro_batches_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+        batches = self.rank_schedule(self.epoch)[self.position:].tolist()
+        loader = DataLoader(self.dataset, batch_sampler=batches, collate_fn=self.collate_fn,
+                            num_workers=self.num_workers, pin_memory=self.pin_memory)
+        for batch in loader:
+            self.position += 1
+            yield batch
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "epoch": self.epoch, "position": self.position,
+                "seed": self.plan.seed, "plan_fingerprint": self.plan.fingerprint(),
+                "micro_batches_per_epoch": self.micro_batches_per_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"sampler state version {state.get('version')} is not {STATE_VERSION}")
+        if state["plan_fingerprint"] != self.plan.fingerprint():
+            raise ValueError(
+                f"the checkpoint was trained on plan {state['plan_fingerprint']}, but this run built plan "
+                f"{self.plan.fingerprint()}: resume with the same data, analysis, config and world size"
+            )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        logger.info("cluster sampler resumed at epoch %d, micro-batch %d", self.epoch, self.position)

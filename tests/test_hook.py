@@ -1,0 +1,204 @@
+"""The DeepSpeed hook end to end: real launchers, 2 ranks on CPU, ZeRO 0-3, fp32/bf16, exact resume."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ds_cluster import ClusterSamplingConfig, Plan, build_plan
+from ds_cluster.data.tasks import read_jsonl, write_jsonl
+from tests.launching import REPO, check, run_deepspeed, run_mpirun, run_single
+
+TRAIN = REPO / "launch" / "train.py"
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def small_job(tmp_path_factory) -> Path:
+    """A 480-sample slice of the shipped data (every family) and a hand-made analysis (features by family)."""
+    root = tmp_path_factory.mktemp("hook")
+    records = read_jsonl(REPO / "ds_cluster" / "data" / "default" / "train.jsonl")
+    by_family: dict[str, list] = {}
+    for record in records:
+        by_family.setdefault(record["family"], []).append(record)
+    subset = [r for family in sorted(by_family) for r in by_family[family][: max(20, len(by_family[family]) // 7)]]
+    write_jsonl(subset, root / "train.jsonl")
+    families = sorted(by_family)
+    family_ids = np.array([families.index(r["family"]) for r in subset])
+    rng = np.random.default_rng(0)
+    centres = rng.normal(0, 3, (len(families), 16))
+    (root / "analysis").mkdir()
+    np.save(root / "analysis" / "features.npy",
+            (centres[family_ids] + rng.normal(0, 1, (len(subset), 16))).astype(np.float32))
+    return root
+
+
+def train_args(job: Path, config: str, out: Path, *extra: str) -> list[str]:
+    return [str(TRAIN), "--deepspeed", str(REPO / "ds_configs" / config), "--model", "tiny",
+            "--data", str(job / "train.jsonl"), "--analysis", str(job / "analysis"),
+            "--output-dir", str(out), "--max-length", "64", "--trace", *extra]
+
+
+def read_trace(out: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (out / "trace" / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
+def assert_run_follows_plan(out: Path, world: int = 2) -> None:
+    """Each rank trained on exactly its plan indices, step by step; the loss fell; ranks agree."""
+    plan = Plan.load(out / "plan")
+    schedules: dict[int, np.ndarray] = {}
+    for rank in range(world):
+        trace = read_trace(out, rank)
+        assert trace, f"rank {rank} trained on nothing"
+        for record in trace:
+            schedule = schedules.setdefault(record["epoch"], plan.schedule(record["epoch"]))
+            step, micro = divmod(record["micro"], plan.gradient_accumulation_steps)
+            assert record["indices"] == schedule[step, rank, micro].tolist()
+        losses = [r["loss"] for r in trace]
+        assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.1, losses
+    digests = {json.loads((out / f"summary_rank{r}.json").read_text())["parameter_digest"] for r in range(world)}
+    assert len(digests) == 1, "ranks ended with different parameters"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_launcher_trains_on_the_plan(small_job, tmp_path, stage, precision):
+    extra = ["--max-steps", "8"] + (["--bf16"] if precision == "bf16" else [])
+    check(run_deepspeed(train_args(small_job, f"zero{stage}.json", tmp_path, *extra), timeout=300))
+    assert_run_follows_plan(tmp_path)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_mpirun_trains_on_the_plan(small_job, tmp_path, stage, precision):
+    extra = ["--max-steps", "8"] + (["--bf16"] if precision == "bf16" else [])
+    check(run_mpirun(train_args(small_job, f"zero{stage}.json", tmp_path, *extra), timeout=300))
+    assert_run_follows_plan(tmp_path)
+
+
+def test_zero3_offload_config_trains(small_job, tmp_path):
+    result = check(run_single(train_args(small_job, "zero3_offload.json", tmp_path, "--max-steps", "3"), timeout=300))
+    assert "done: 3 steps" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_continues_the_exact_sequence(small_job, tmp_path, stage):
+    config = f"zero{stage}.json"
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    check(run_deepspeed(train_args(small_job, config, whole, "--max-steps", "6"), timeout=300))
+    check(run_deepspeed(train_args(small_job, config, parts, "--max-steps", "6", "--stop-after", "3"), timeout=300))
+    check(run_deepspeed(train_args(small_job, config, parts, "--max-steps", "6", "--resume"), timeout=300))
+    for rank in range(2):
+        expected, resumed = read_trace(whole, rank), read_trace(parts, rank)
+        assert [r["indices"] for r in resumed] == [r["indices"] for r in expected]
+        assert np.allclose([r["loss"] for r in resumed], [r["loss"] for r in expected], rtol=0, atol=1e-6)
+
+
+def test_weighted_loss_gradient_is_the_stratified_full_data_estimate(tmp_path):
+    from ds_cluster.loss import per_sample_lm_loss
+    from tests.workers.feature_fixtures import tiny_llama, token_dataset
+
+    labels = np.repeat([0, 1, 2], [12, 8, 4])
+    (tmp_path / "analysis").mkdir()
+    np.save(tmp_path / "analysis" / "labels.npy", labels)
+    block = {"enabled": True, "budget_mode": "min", "selection": "random", "allocation": "stratified",
+             "analysis_path": str(tmp_path / "analysis"), "seed": 3}
+    # DeepSpeed clips gradients at 1.0 by default; off here so the step is the raw gradient.
+    config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+              "zero_allow_untested_optimizer": True,
+              "data_efficiency": {"enabled": True, "data_sampling": {"enabled": True, "cluster_sampling": block}}}
+    (tmp_path / "ds_config.json").write_text(json.dumps(config))
+    check(run_deepspeed([str(REPO / "tests" / "workers" / "grad_worker.py"), "--out", str(tmp_path)], timeout=300))
+    delta = np.load(tmp_path / "delta.npz")
+
+    # By hand: sum_c (n_c / N) * mean over the kept samples of c of the per-sample loss gradient.
+    plan = build_plan(None, ClusterSamplingConfig.from_dict(block), world_size=2, micro_batch_size=2,
+                      gradient_accumulation_steps=3, labels=labels)
+    assert plan.num_kept == plan.global_batch_size == 12
+    model = tiny_llama(seed=0)
+    data = token_dataset(len(labels), seed=1)
+    selected = plan.selected
+    batch = {k: torch.stack([data[i][k] for i in selected]) for k in ("input_ids", "attention_mask", "labels")}
+    losses = per_sample_lm_loss(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                                batch["labels"])
+    coefficients = torch.tensor([(plan.cluster_sizes[c] / len(labels)) / plan.kept_sizes[c]
+                                 for c in labels[selected]], dtype=torch.float32)
+    (losses * coefficients).sum().backward()
+    for name, param in model.named_parameters():
+        assert np.allclose(delta[name], param.grad.numpy(), rtol=0, atol=1e-5), name
+
+
+def _failing_run(small_job: Path, tmp_path: Path, mutate) -> str:
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    mutate(config)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "out"
+    args = train_args(small_job, "zero2.json", out, "--max-steps", "2")
+    args[args.index("--deepspeed") + 1] = str(path)
+    result = run_deepspeed(args, timeout=240)
+    assert result.returncode != 0
+    assert not (out / "checkpoints").exists() and not (out / "trace").exists(), "a failed start wrote files"
+    return result.stdout + result.stderr
+
+
+def test_curriculum_and_cluster_sampling_together_fail_on_every_rank(small_job, tmp_path):
+    def enable_curriculum(config):
+        config["data_efficiency"]["data_sampling"]["curriculum_learning"] = {"enabled": True}
+
+    output = _failing_run(small_job, tmp_path, enable_curriculum)
+    assert output.count("curriculum_learning and cluster_sampling are both enabled") >= 2, output[-3000:]
+
+
+def test_analysis_of_other_data_fails_on_every_rank(small_job, tmp_path):
+    other = tmp_path / "other_analysis"
+    other.mkdir()
+    np.save(other / "features.npy", np.ones((17, 4), dtype=np.float32))
+
+    def point_elsewhere(config):
+        config["data_efficiency"]["data_sampling"]["cluster_sampling"]["analysis_path"] = str(other)
+
+    # --analysis on the command line wins over the config, so drop it for this run.
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    point_elsewhere(config)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(config))
+    args = [str(TRAIN), "--deepspeed", str(path), "--model", "tiny", "--data", str(small_job / "train.jsonl"),
+            "--output-dir", str(tmp_path / "out"), "--max-length", "64"]
+    result = run_deepspeed(args, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("has 17 rows but the training dataset has") >= 2, output[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_global_batch_larger_than_kept_subset_fails_before_training(small_job, tmp_path):
+    def huge_batch(config):
+        config["train_micro_batch_size_per_gpu"] = 512
+
+    output = _failing_run(small_job, tmp_path, huge_batch)
+    assert output.count("smaller than one global batch") >= 2, output[-3000:]
+
+
+def test_without_the_block_deepspeed_is_unchanged(small_job, tmp_path):
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    del config["data_efficiency"]
+    path = tmp_path / "plain.json"
+    path.write_text(json.dumps(config))
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "import json, sys, torch, deepspeed, ds_cluster\n"
+        "from deepspeed.runtime.dataloader import DeepSpeedDataLoader\n"
+        "ds_cluster.install()\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "data = [(torch.randn(4), torch.tensor(0)) for _ in range(32)]\n"
+        f"engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), "
+        f"training_data=data, config=json.load(open({str(path)!r})))\n"
+        "assert isinstance(loader, DeepSpeedDataLoader), type(loader)\n"
+        "print('PLAIN-OK')\n"
+    )
+    result = check(run_single([str(script)], timeout=240))
+    assert "PLAIN-OK" in result.stdout
