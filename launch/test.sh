@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Run the test suite (unit + 2-rank integration tests on CPU). Benchmarks marked slow are left out:
+# run them with `bash launch/test.sh -m slow`. Extra arguments go to pytest.
+set -euo pipefail
+source "$(dirname "$0")/setup_env.sh"
+exec .venv/bin/python -m pytest -ra --durations=25 "$@"
