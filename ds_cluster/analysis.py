@@ -4,7 +4,7 @@
 The ranks share feature extraction; rank 0 clusters and writes the directory::
 
     features.npy     (N, d) float32, rows L2-normalised unless configured otherwise
-    labels.npy       (N,) int64 cluster of every sample
+    labels.npy       (N,) int64 cluster of every sample, -1 for samples without response tokens
     centroids.npy    (K, d) float32
     distances.npy    (N,) distance of every sample to its centroid
     empty_mask.npy   (N,) bool, samples without response tokens (zero feature rows)
@@ -167,13 +167,19 @@ def run_analysis(
     error: Optional[BaseException] = None
     if rank == 0:
         try:
-            clusters = cluster_features(extraction.features, num_clusters=num_clusters,
+            # Samples without response tokens have no gradient: they stay out of k-means (label -1).
+            has_response = ~np.asarray(extraction.empty_mask, dtype=bool)
+            clusters = cluster_features(extraction.features[has_response], num_clusters=num_clusters,
                                         n_init=settings.kmeans_n_init, max_iter=settings.kmeans_max_iter,
                                         capacity_factor=settings.capacity_factor,
                                         capacity_neighbors=settings.capacity_neighbors, backend=settings.backend,
                                         seed=settings.seed)
             clustered = time.perf_counter()
             num_samples = len(dataset)
+            labels = np.full(num_samples, -1, dtype=np.int64)
+            labels[has_response] = clusters.labels
+            distances = np.zeros(num_samples, dtype=np.float64)
+            distances[has_response] = clusters.distances
             sizes = np.bincount(clusters.labels, minlength=num_clusters)
             summary: dict[str, Any] = {
                 "num_samples": num_samples,
@@ -195,7 +201,8 @@ def run_analysis(
             }
             families = [str(record.get("family", "")) for record in getattr(dataset, "records", [])]
             if any(families):
-                summary.update(family_purity(clusters.labels, families, num_clusters))
+                summary.update(family_purity(clusters.labels, [f for f, keep in zip(families, has_response) if keep],
+                                             num_clusters))
             manifest = {
                 "format_version": ANALYSIS_FORMAT_VERSION,
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -218,9 +225,9 @@ def run_analysis(
             summary["timings_s"]["total"] = round(time.perf_counter() - started, 3)
             _publish(out_dir, {
                 "features.npy": extraction.features.astype(np.float32, copy=False),
-                "labels.npy": clusters.labels.astype(np.int64, copy=False),
+                "labels.npy": labels,
                 "centroids.npy": np.asarray(clusters.centroids, dtype=np.float32),
-                "distances.npy": np.asarray(clusters.distances),
+                "distances.npy": distances,
                 "empty_mask.npy": extraction.empty_mask,
             }, {"manifest.json": manifest, "summary.json": summary}, store_path)
             logger.info("analysis of %d samples (%s, d=%d, K=%d) written to %s", num_samples, kind,

@@ -10,8 +10,11 @@ import logging
 import os
 import socket
 import struct
+import time
+import uuid
 from datetime import timedelta
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Union
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +159,78 @@ def agree_on_error(error: Optional[BaseException], what: str) -> None:
     summary = "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
     exc_type = type(error) if error is not None and isinstance(error, (ValueError, FileNotFoundError)) else RuntimeError
     raise exc_type(f"{what} failed on ranks {sorted(failed)}: {summary}")
+
+
+SHARED_CHECK_PREFIX = ".ds_cluster_shared_check."
+
+
+class SharedPathError(RuntimeError):
+    """A path that every rank must see (through a shared filesystem) is not the same on every rank."""
+
+
+def _write_shared_token(folder: Path) -> tuple[Optional[str], Optional[str]]:
+    """Rank 0's half: a token file with unique contents in `folder`; (file name, None) or (None, reason)."""
+    if not folder.is_dir():
+        return None, "it does not exist or is not a directory"
+    token = uuid.uuid4().hex
+    name = f"{SHARED_CHECK_PREFIX}{token}"
+    try:
+        (folder / name).write_text(token, encoding="utf-8")
+    except OSError as err:
+        return None, f"cannot write a file there ({err.strerror or err})"
+    return name, None
+
+
+def _sees_shared_token(path: Path, grace_s: float) -> bool:
+    # A network filesystem may take a moment to show another host's new file (attribute caching).
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            if path.read_text(encoding="utf-8") == path.name[len(SHARED_CHECK_PREFIX):]:
+                return True
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+
+
+def check_shared_path(path: Union[str, os.PathLike], what: str, grace_s: float = 5.0) -> None:
+    """Collective: check that every rank sees the same folder `path`, or raise on every rank.
+
+    Ranks on different hosts share the analysis directory, the feature store and
+    checkpoints through a shared filesystem. Rank 0 writes a file with a unique
+    token into `path`, every rank reads it back, and the ranks compare what they
+    saw with `all_gather_object`: a rank that cannot see the file (a local disk,
+    a different mount) fails the job on every rank with the ranks, their hosts
+    and the path named, instead of a hang or a wrong result later. The token is
+    removed afterwards. Without a process group (or with one rank) this does nothing.
+    """
+    if not is_initialized() or get_world_size() == 1:
+        return
+    folder, rank = Path(path), get_rank()
+    token_name, write_error = _write_shared_token(folder) if rank == 0 else (None, None)
+    try:
+        # The gather is the barrier: nobody looks for the token before rank 0 has written it.
+        token_name, write_error, writer_host = all_gather_object((token_name, write_error, socket.gethostname()))[0]
+        if write_error is not None:
+            raise SharedPathError(
+                f"the {what} {folder} must be a folder on a filesystem shared by every rank, but on rank 0 "
+                f"(host {writer_host}) {write_error}"
+            )
+        sees = _sees_shared_token(folder / token_name, grace_s)
+        views = all_gather_object((sees, socket.gethostname()))
+    finally:
+        if rank == 0 and token_name is not None:
+            (folder / token_name).unlink(missing_ok=True)
+    blind = [other for other, (sees, _) in enumerate(views) if not sees]
+    if blind:
+        hosts = ", ".join(f"rank {other} on host {views[other][1]}" for other in blind)
+        raise SharedPathError(
+            f"the {what} {folder} is not shared between the ranks: {hosts} cannot see the file rank 0 "
+            f"(host {views[0][1]}) wrote there. Ranks on different hosts must see the same {what} "
+            "through a shared filesystem (NFS, Lustre, ...) at the same path; see launch/MULTINODE.md"
+        )
 
 
 def shutdown() -> None:

@@ -37,7 +37,7 @@ TINY_BASE = "tiny-base"
 # The recipe of the cached base model; a change here must bump MANIFEST_VERSION.
 MANIFEST_VERSION = 1
 MANIFEST_NAME = "ds_cluster_manifest.json"
-PRETRAIN_STEPS = 300
+PRETRAIN_STEPS = 600
 PRETRAIN_BATCH_SIZE = 32
 PRETRAIN_MAX_LENGTH = 96
 PRETRAIN_LR = 2e-3

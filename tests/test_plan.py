@@ -376,3 +376,16 @@ def test_capped_assignment_matches_the_literal_greedy(num_clusters, neighbours, 
     literal = _literal_capped_greedy(nearest, dist2, capacity, num_clusters)
     placed = np.array(literal) >= 0
     assert np.array_equal(labels[placed], np.array(literal)[placed])
+
+
+def test_left_out_samples_get_no_weight_and_no_slot():
+    # -1 labels (no response tokens, as `ds-cluster analyze` writes them) and an explicit exclude mask.
+    labels = np.array([0, 0, -1, 1, 1, 0, 1, 0])
+    exclude = np.zeros(8, dtype=bool)
+    exclude[5] = True
+    plan = build_plan(None, config(selection="random", budget_mode="proportional"), world_size=1,
+                      micro_batch_size=1, gradient_accumulation_steps=1, labels=labels, exclude=exclude)
+    assert plan.labels[2] == -1 and plan.labels[5] == -1
+    assert plan.weights[2] == 0 and plan.weights[5] == 0
+    assert 2 not in plan.schedule(0) and 5 not in plan.schedule(0)
+    assert plan.cluster_sizes.tolist() == [3, 3] and plan.summary()["num_excluded"] == 2

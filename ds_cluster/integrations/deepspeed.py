@@ -113,6 +113,11 @@ def _initialize(original, *args: Any, **kwargs: Any):
 
     if kwargs.get("dist_init_required", None) is not False:
         distributed.init_distributed()
+    if cluster_config.analysis_path:
+        # Ranks on other hosts read the analysis through a shared filesystem: a rank that cannot see
+        # it fails the start on every rank, naming its host, instead of training on something else.
+        distributed.check_shared_path(Path(cluster_config.analysis_path).absolute().parent,
+                                      "folder holding cluster_sampling.analysis_path")
     # Everything that can be checked before the engine exists is checked on every rank, and a
     # failure on any rank becomes an error on all of them (no rank left waiting in a collective).
     error: Optional[BaseException] = None

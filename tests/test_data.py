@@ -1,0 +1,231 @@
+"""The synthetic task mixture, the shipped default data, the tokenizer and the instruction dataset."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_cluster.data import tasks
+from ds_cluster.data.instructions import (
+    IGNORE_INDEX,
+    dataset_fingerprint,
+    format_prompt,
+    load_instruction_dataset,
+)
+from ds_cluster.data.tokenizer import build_tokenizer
+
+DEFAULT_DIR = Path(tasks.__file__).parent / "default"
+
+
+@pytest.fixture(scope="module")
+def mixture() -> tuple[list[dict], list[dict]]:
+    return tasks.generate_mixture(seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def test_same_seed_same_records_other_seed_other_records(mixture):
+    assert tasks.generate_mixture(seed=0) == mixture
+    other_train, other_heldout = tasks.generate_mixture(seed=1)
+    assert other_train != mixture[0]
+    assert other_heldout != mixture[1]
+
+
+def test_family_sizes_are_skewed_and_heldout_is_fixed_per_family(mixture):
+    train, heldout = mixture
+    sizes = Counter(r["family"] for r in train)
+    assert set(sizes) == set(tasks.FAMILIES) and len(tasks.FAMILIES) >= 8
+    assert len(train) == tasks.DEFAULT_TOTAL
+    assert max(sizes.values()) >= 30 * min(sizes.values())
+    assert min(sizes.values()) >= 40
+    assert Counter(r["family"] for r in heldout) == {f: tasks.DEFAULT_HELDOUT_PER_FAMILY for f in tasks.FAMILIES}
+
+
+def test_family_sizes_add_up_exactly():
+    for total, skew in [(100, 1.0), (1001, 7.5), (3200, 32.0)]:
+        sizes = tasks.family_sizes(total, skew)
+        assert sum(sizes.values()) == total
+        assert list(sizes.values()) == sorted(sizes.values(), reverse=True)
+
+
+def test_heldout_is_disjoint_from_train(mixture):
+    train, heldout = mixture
+    train_keys = {(r["instruction"], r["input"]) for r in train}
+    assert not train_keys & {(r["instruction"], r["input"]) for r in heldout}
+    assert len(train_keys) == len(train)
+
+
+def test_records_are_short_and_well_formed(mixture):
+    train, heldout = mixture
+    for record in train + heldout:
+        assert set(record) == {"instruction", "input", "output", "family"}
+        assert all(isinstance(v, str) and v for v in record.values())
+        assert len(record["instruction"]) + len(record["input"]) + len(record["output"]) <= 64
+
+
+def test_check_answer_accepts_gold_and_rejects_wrong_for_every_family(mixture):
+    _, heldout = mixture
+    for family in tasks.FAMILIES:
+        record = next(r for r in heldout if r["family"] == family)
+        assert tasks.check_answer(record, record["output"])
+        assert tasks.check_answer(record, f"  {record['output']}\n")
+        assert not tasks.check_answer(record, record["output"] + "0")
+        assert not tasks.check_answer(record, "")
+
+
+@pytest.mark.parametrize("family", tasks.FAMILIES)
+def test_gold_answers_are_correct(mixture, family):
+    # Recompute each family's answer from its input a second, independent way.
+    def solve(record: dict) -> str:
+        text = record["input"]
+        if family == "add":
+            a, b = text.split(" + ")
+            return str(int(a) + int(b))
+        if family == "reverse":
+            return "".join(reversed(text))
+        if family == "case_change":
+            return text.swapcase()
+        if family == "sort_digits":
+            return "".join(sorted(text))
+        if family == "count_letter":
+            letter, word = text.split(": ")
+            return str(sum(ch == letter for ch in word))
+        if family == "lookup":
+            pairs, key = text.split("; ")
+            return dict(p.split("=") for p in pairs.split(", "))[key]
+        if family == "km_to_m":
+            return f"{round(float(text.split()[0]) * 1000)} m"
+        year, month, day = text.split("-")
+        return f"{day}/{month}/{year}"
+
+    train, heldout = mixture
+    for record in [r for r in train + heldout if r["family"] == family]:
+        assert solve(record) == record["output"], record
+
+
+def test_pretraining_corpus_is_deterministic_and_not_the_tasks(mixture):
+    corpus = tasks.generate_pretraining_corpus(seed=0, n=300)
+    assert corpus == tasks.generate_pretraining_corpus(seed=0, n=300)
+    assert corpus != tasks.generate_pretraining_corpus(seed=1, n=300)
+    instructions = {r["instruction"] for r in mixture[0]}
+    assert not any(instruction in text for text in corpus for instruction in instructions)
+
+
+def test_jsonl_round_trip_is_atomic(tmp_path, mixture):
+    path = tmp_path / "sub" / "train.jsonl"
+    tasks.write_jsonl(mixture[1], path)
+    assert tasks.read_jsonl(path) == mixture[1]
+    assert [p.name for p in path.parent.iterdir()] == ["train.jsonl"]  # no temp file left behind
+
+
+def test_cli_writes_both_splits(tmp_path):
+    tasks.main(["--out", str(tmp_path), "--seed", "3", "--total", "200", "--heldout-per-family", "5"])
+    train, heldout = tasks.generate_mixture(seed=3, total=200, heldout_per_family=5)
+    assert tasks.read_jsonl(tmp_path / "train.jsonl") == train
+    assert tasks.read_jsonl(tmp_path / "heldout.jsonl") == heldout
+
+
+def test_shipped_default_data_is_the_seed_0_mixture(tmp_path, mixture):
+    tasks.write_jsonl(mixture[0], tmp_path / "train.jsonl")
+    tasks.write_jsonl(mixture[1], tmp_path / "heldout.jsonl")
+    for name in ("train.jsonl", "heldout.jsonl"):
+        assert (DEFAULT_DIR / name).read_bytes() == (tmp_path / name).read_bytes(), name
+
+
+def test_tokenizer_round_trip_and_reload(tmp_path, tokenizer, mixture):
+    from transformers import AutoTokenizer
+
+    text = format_prompt(mixture[0][0]) + mixture[0][0]["output"] + " ~\t{x}"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    # One token per character, except the three template headers.
+    assert len(ids) < len(text) and tokenizer.unk_token_id not in ids
+    assert [tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id] == [0, 1, 2, 3]
+    assert build_tokenizer().get_vocab() == tokenizer.get_vocab()
+
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert reloaded(text, add_special_tokens=False)["input_ids"] == ids
+    assert reloaded.decode(ids) == text
+    assert reloaded.pad_token_id == tokenizer.pad_token_id and reloaded.eos_token_id == tokenizer.eos_token_id
+
+
+def test_format_prompt_omits_empty_input():
+    with_input = format_prompt({"instruction": "Do it.", "input": "x", "output": "y"})
+    assert with_input == "### Instruction:\nDo it.\n\n### Input:\nx\n\n### Response:\n"
+    assert format_prompt({"instruction": "Do it.", "input": "", "output": "y"}) == (
+        "### Instruction:\nDo it.\n\n### Response:\n"
+    )
+
+
+def test_instruction_dataset_masks_the_prompt(tokenizer, mixture):
+    records = mixture[1][:20]
+    dataset = load_instruction_dataset(records, tokenizer, max_length=96)
+    assert len(dataset) == 20 and dataset.families == [r["family"] for r in records]
+    for record, item in zip(records, dataset):
+        assert set(item) == {"input_ids", "attention_mask", "labels"}
+        assert all(t.dtype == torch.int64 and t.shape == (96,) for t in item.values())
+        length = int(item["attention_mask"].sum())
+        assert item["attention_mask"][:length].all() and not item["attention_mask"][length:].any()
+        assert item["input_ids"][0] == tokenizer.bos_token_id and item["input_ids"][length - 1] == tokenizer.eos_token_id
+        assert (item["input_ids"][length:] == tokenizer.pad_token_id).all()
+        labelled = item["labels"] != IGNORE_INDEX
+        assert (item["labels"][labelled] == item["input_ids"][labelled]).all()
+        response = item["input_ids"][labelled].tolist()
+        assert tokenizer.decode(response[:-1]) == record["output"] and response[-1] == tokenizer.eos_token_id
+        # The labelled tokens are exactly the tail of the real sequence.
+        assert labelled.nonzero().flatten().tolist() == list(range(length - len(response), length))
+
+
+def test_truncation_drops_the_prompt_first(tokenizer):
+    record = {"instruction": "Say a long thing. " * 5, "input": "abc", "output": "answer", "family": "f"}
+    item = load_instruction_dataset([record], tokenizer, max_length=24)[0]
+    assert int(item["attention_mask"].sum()) == 24
+    assert item["input_ids"][0] == tokenizer.bos_token_id
+    labelled = item["labels"] != IGNORE_INDEX
+    assert tokenizer.decode(item["input_ids"][labelled].tolist(), skip_special_tokens=True) == "answer"
+    # Kept prompt is the end of the prompt, next to the response.
+    assert tokenizer.decode(item["input_ids"][1:].tolist(), skip_special_tokens=True).endswith(
+        "### Input:\nabc\n\n### Response:\nanswer"
+    )
+    # A response longer than the whole window keeps its start and is still labelled.
+    long_answer = dict(record, output="x" * 40)
+    item = load_instruction_dataset([long_answer], tokenizer, max_length=16)[0]
+    assert (item["labels"][1:] == item["input_ids"][1:]).all() and item["labels"][0] == IGNORE_INDEX
+
+
+def test_jsonl_and_save_to_disk_give_the_same_items(tmp_path, tokenizer, mixture):
+    import datasets
+
+    records = mixture[0][:50]
+    tasks.write_jsonl(records, tmp_path / "train.jsonl")
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "hf"))
+
+    from_jsonl = load_instruction_dataset(tmp_path / "train.jsonl", tokenizer, max_length=80)
+    from_disk = load_instruction_dataset(str(tmp_path / "hf"), tokenizer, max_length=80)
+    assert from_disk.records == from_jsonl.records == records
+    for a, b in zip(from_jsonl, from_disk):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert dataset_fingerprint(from_jsonl) == dataset_fingerprint(from_disk)
+    batch = torch.utils.data.default_collate([from_disk[i] for i in range(4)])
+    assert batch["input_ids"].shape == (4, 80)
+
+
+def test_fingerprint_changes_with_the_data(tokenizer, mixture):
+    records = mixture[0][:30]
+    base = dataset_fingerprint(load_instruction_dataset(records, tokenizer))
+    assert base == dataset_fingerprint(load_instruction_dataset(records, tokenizer))
+    assert base != dataset_fingerprint(load_instruction_dataset(records[:29], tokenizer))
+    assert base != dataset_fingerprint(load_instruction_dataset(records, tokenizer, max_length=64))
+    changed = [dict(records[0], output=records[0]["output"] + "1")] + records[1:]
+    assert base != dataset_fingerprint(load_instruction_dataset(changed, tokenizer))
+
+
+def test_missing_source_is_a_clear_error(tmp_path, tokenizer):
+    with pytest.raises(FileNotFoundError):
+        load_instruction_dataset(tmp_path / "nothing.jsonl", tokenizer)

@@ -1,0 +1,65 @@
+"""Features through real DeepSpeed engines: ZeRO-0 single process vs ZeRO-3 on 2 ranks, and crash-resume."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.launching import check, run_deepspeed, run_single
+
+pytestmark = pytest.mark.integration
+
+WORKER = "tests/workers/extract_worker.py"
+KINDS = ("proxy", "lm_head")
+
+
+def _load(out, kind: str, rank: int = 0):
+    return np.load(out / f"{kind}.rank{rank}.npz")
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory):
+    """One uninterrupted 2-rank ZeRO-3 run with a store, both kinds."""
+    root = tmp_path_factory.mktemp("zero3")
+    check(run_deepspeed([WORKER, "--zero", "3", "--out", str(root / "out"), "--store", str(root / "store")],
+                        timeout=240))
+    return root / "out"
+
+
+def test_zero0_single_process_matches_zero3_two_ranks(zero3_run, tmp_path):
+    check(run_single([WORKER, "--zero", "0", "--out", str(tmp_path)], timeout=240))
+    for kind in KINDS:
+        single, rank0, rank1 = _load(tmp_path, kind), _load(zero3_run, kind, 0), _load(zero3_run, kind, 1)
+        np.testing.assert_array_equal(rank0["features"], rank1["features"])  # identical on every rank
+        np.testing.assert_allclose(rank0["features"], single["features"], atol=1e-4, rtol=0)
+        assert single["features"].shape == (40, 32 if kind == "proxy" else 256)
+        assert rank0["empty_mask"].nonzero()[0].tolist() == [5] and not rank0["features"][5].any()
+        assert rank0["computed"].tolist() == [0, 1, 2, 3, 4]
+    # The model fingerprint does not depend on the ZeRO stage or the world size.
+    fingerprints = {(tmp_path / "fingerprint.rank0.txt").read_text()}
+    fingerprints |= {(zero3_run / f"fingerprint.rank{rank}.txt").read_text() for rank in (0, 1)}
+    assert len(fingerprints) == 1
+
+
+def test_killed_run_resumes_only_unfinished_shards(zero3_run, tmp_path):
+    store, kind = tmp_path / "store", "proxy"
+    shards = store / kind / "shards"
+    # 40 samples in shards of 8: rank 0 gets shards 0, 2, 4 and rank 1 gets 1, 3; rank 1 dies after its first.
+    killed = run_deepspeed([WORKER, "--zero", "3", "--kinds", kind, "--store", str(store), "--out",
+                            str(tmp_path / "killed"), "--kill-after", "1"], timeout=180)
+    assert killed.returncode != 0, killed.stdout[-3000:]
+    finished_before = {json.loads(path.read_text())["shard"] for path in shards.glob("*.done.json")}
+    assert 1 in finished_before and 3 not in finished_before, finished_before
+    run_ids_before = {path.name: json.loads(path.read_text())["run_id"] for path in shards.glob("*.done.json")}
+
+    check(run_deepspeed([WORKER, "--zero", "3", "--kinds", kind, "--store", str(store), "--out",
+                         str(tmp_path / "resumed")], timeout=180))
+    resumed = _load(tmp_path / "resumed", kind)
+    assert sorted(resumed["computed"].tolist()) == sorted(set(range(5)) - finished_before)
+    assert sorted(resumed["reused"].tolist()) == sorted(finished_before)
+    # Finished shards were not rewritten: their markers still carry the first run's id.
+    for name, run_id in run_ids_before.items():
+        assert json.loads((shards / name).read_text())["run_id"] == run_id
+    np.testing.assert_allclose(resumed["features"], _load(zero3_run, kind)["features"], atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(resumed["empty_mask"], _load(zero3_run, kind)["empty_mask"])

@@ -1,0 +1,123 @@
+"""The tiny Llama, model loading, and the cached pretrained base model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ds_cluster import models
+from ds_cluster.data.instructions import load_instruction_dataset
+from ds_cluster.data.tasks import generate_mixture
+
+
+def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_tiny_model_forward_gives_a_finite_loss():
+    model, tokenizer = models.load_model_and_tokenizer("tiny", seed=0)
+    assert model.config.vocab_size == len(tokenizer)
+    assert 1_000_000 < sum(p.numel() for p in model.parameters()) < 5_000_000
+    dataset = load_instruction_dataset(generate_mixture(seed=0)[1][:8], tokenizer, max_length=64)
+    batch = torch.utils.data.default_collate([dataset[i] for i in range(8)])
+    out = model(**batch)
+    assert out.logits.shape == (8, 64, len(tokenizer))
+    assert torch.isfinite(out.loss) and out.loss.item() > 0
+    out.loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_tiny_init_is_seeded_and_leaves_the_global_rng_alone():
+    torch.manual_seed(123)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(123)
+    first, _ = models.load_model_and_tokenizer("tiny", seed=7)
+    assert torch.equal(torch.rand(3), expected_draw)
+    again = _parameters(models.load_model_and_tokenizer("tiny", seed=7)[0])
+    other = _parameters(models.load_model_and_tokenizer("tiny", seed=8)[0])
+    assert all(torch.equal(p, again[name]) for name, p in _parameters(first).items())
+    assert not all(torch.equal(p, other[name]) for name, p in _parameters(first).items())
+
+
+def test_unknown_model_name_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        models.load_model_and_tokenizer(str(tmp_path / "missing"))
+
+
+def test_ensure_base_model_pretrains_once_then_reuses_the_cache(tmp_path, caplog):
+    path = models.ensure_base_model(cache_dir=tmp_path, seed=0, steps=3)
+    manifest = json.loads((tmp_path / "base_model_seed0_steps3" / models.MANIFEST_NAME).read_text())
+    assert path == str(tmp_path / "base_model_seed0_steps3")
+    assert manifest["seed"] == 0 and manifest["steps"] == 3
+    assert manifest["final_loss"] == manifest["final_loss"] and manifest["final_loss"] > 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".base_model") and p.is_dir()]
+
+    weights = next((tmp_path / "base_model_seed0_steps3").glob("*.safetensors"))
+    mtime = weights.stat().st_mtime_ns
+    assert models.ensure_base_model(cache_dir=tmp_path, seed=0, steps=3) == path
+    assert weights.stat().st_mtime_ns == mtime  # served from the cache, not rebuilt
+
+    # The checkpoint loads back as a plain Hugging Face folder, tokenizer included.
+    model, tokenizer = models.load_model_and_tokenizer(path)
+    assert model.config.hidden_size == models.tiny_llama_config(len(tokenizer)).hidden_size
+    assert tokenizer.decode(tokenizer("12 + 3", add_special_tokens=False)["input_ids"]) == "12 + 3"
+
+
+def test_base_model_training_is_deterministic(tmp_path):
+    first = models.ensure_base_model(cache_dir=tmp_path / "a", seed=1, steps=2)
+    second = models.ensure_base_model(cache_dir=tmp_path / "b", seed=1, steps=2)
+    load = lambda p: _parameters(models.load_model_and_tokenizer(p)[0])  # noqa: E731
+    a, b = load(first), load(second)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_an_incomplete_cache_folder_is_rebuilt(tmp_path):
+    broken = tmp_path / "base_model_seed0_steps2"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    path = models.ensure_base_model(cache_dir=tmp_path, seed=0, steps=2)
+    assert path == str(broken) and (broken / models.MANIFEST_NAME).is_file()
+
+
+def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("DS_CLUSTER_CACHE", str(tmp_path))
+    assert models.default_cache_root() == tmp_path
+
+
+# Runs in its own process: ZeRO-3 needs a process group, and transformers' ZeRO-3
+# switch is process-wide state that must not leak into other tests.
+_ZERO3_SCRIPT = """
+import gc, sys, torch, deepspeed
+from ds_cluster import models
+path = sys.argv[1]
+plain, tokenizer = models.load_model_and_tokenizer(path)
+config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+deepspeed.init_distributed(dist_backend="gloo")
+model, _ = models.load_model_and_tokenizer(path, ds_config=config)
+assert model._hf_ds_config_ref is not None
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+expected = dict(plain.named_parameters())
+for name, param in engine.module.named_parameters():
+    with deepspeed.zero.GatheredParameters([param]):
+        assert torch.equal(param.data, expected[name].data), name
+ids = torch.tensor([tokenizer("12 + 3", add_special_tokens=False)["input_ids"]] * 2)
+loss = engine(input_ids=ids, labels=ids).loss
+assert torch.isfinite(loss)
+engine.backward(loss)
+engine.step()
+del engine, model
+gc.collect()
+torch.distributed.destroy_process_group()
+print("ZERO3 OK")
+"""
+
+
+@pytest.mark.integration
+def test_zero3_loading_keeps_the_checkpoint_weights(tmp_path):
+    from tests.launching import check, run_single
+
+    path = models.ensure_base_model(cache_dir=tmp_path, seed=0, steps=2)
+    result = check(run_single(["-c", _ZERO3_SCRIPT, path], timeout=240))
+    assert "ZERO3 OK" in result.stdout
