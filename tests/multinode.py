@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from tests.launching import job_env
+from tests.launching import REPO, job_env
 
 HOSTS = ("h0", "h1")
 INTERFACE = "mnv"
@@ -178,8 +178,6 @@ class TwoHosts:
     def run(self, host: str, command: Sequence[str], timeout: float, env_extra: Optional[dict] = None,
             cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
         """Run `command` on `host` with a timeout; on timeout everything in both hosts is killed."""
-        from tests.launching import REPO
-
         process = subprocess.Popen([str(self.on_host), host, *command], cwd=cwd or REPO, env=self.env(env_extra),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    start_new_session=True)

@@ -15,6 +15,7 @@ put extra state in DeepSpeed checkpoints.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 from pathlib import Path
@@ -124,10 +125,19 @@ def _initialize(original, *args: Any, **kwargs: Any):
     inputs = None
     try:
         check_no_curriculum(config_dict, source)
-        inputs = load_plan_inputs(cluster_config, len(training_data))
+        if kwargs.get("mpu") is None:  # with model parallelism the data-parallel size is not the world size
+            check_batch_arithmetic(config_dict, source, distributed.get_world_size())
+        if len(training_data) == 0:
+            raise ValueError("cluster_sampling is enabled but training_data is empty (0 samples): "
+                             "pass the dataset to train on")
+        inputs = load_plan_inputs(cluster_config, len(training_data), training_data)
     except (ValueError, FileNotFoundError) as err:
         error = err
     distributed.agree_on_error(error, "cluster_sampling set-up")
+    # The plan depends only on the analysis, so a rank handed other data (same length) would build the
+    # same plan and silently train on other samples: compare what the ranks were given.
+    distributed.check_agreement(training_data_identity(training_data),
+                                "training data (number of samples, content fingerprint)")
 
     engine, optimizer, _, lr_scheduler = original(*args, **kwargs)
     rank = _data_parallel_rank(engine)
@@ -180,6 +190,51 @@ def check_no_curriculum(config_dict: dict, source: str) -> None:
         )
 
 
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def check_batch_arithmetic(config_dict: dict, source: str, world_size: int) -> None:
+    """train_batch_size = micro batch x accumulation x data-parallel world size, or a ValueError saying how to fix it.
+
+    DeepSpeed asserts the same later, naming the numbers but not the keys or
+    the fix; this runs before the engine is built, on every rank.
+    """
+    values = {key: config_dict.get(key) for key in BATCH_KEYS}
+    if not all(isinstance(value, int) and not isinstance(value, bool) for value in values.values() if value is not None):
+        return  # "auto" and friends: left to DeepSpeed
+    for key, value in values.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{source}: {key} must be >= 1, got {value}")
+    train, micro, accumulation = values["train_batch_size"], values["train_micro_batch_size_per_gpu"], \
+        values["gradient_accumulation_steps"]
+    if train is None or (micro is None and accumulation is None):
+        if train is not None and train % world_size:
+            raise ValueError(f"{source}: train_batch_size {train} is not a multiple of the world size {world_size}; "
+                             "set train_micro_batch_size_per_gpu (and gradient_accumulation_steps) instead")
+        return
+    # DeepSpeed derives a missing one of micro/accumulation by integer division, then checks the product.
+    micro = micro if micro is not None else max(train // world_size // accumulation, 1)
+    accumulation = accumulation if accumulation is not None else max(train // (micro * world_size), 1)
+    product = micro * accumulation * world_size
+    if train != product:
+        raise ValueError(
+            f"{source}: train_batch_size {train} != train_micro_batch_size_per_gpu {micro} x "
+            f"gradient_accumulation_steps {accumulation} x data-parallel world size {world_size} (= {product}); "
+            f"set train_batch_size to {product}, or remove it and DeepSpeed derives it from the other two"
+        )
+
+
+def training_data_identity(training_data: Any) -> tuple[int, Optional[str]]:
+    """(length, content fingerprint where the dataset type has one): what every rank must agree on."""
+    return len(training_data), _dataset_fingerprint(training_data)
+
+
+def _dataset_fingerprint(training_data: Any) -> Optional[str]:
+    from ds_cluster.data.instructions import InstructionDataset, dataset_fingerprint
+
+    return dataset_fingerprint(training_data) if isinstance(training_data, InstructionDataset) else None
+
+
 class PlanInputs:
     """What the plan is built from: features and/or labels of an analysis, and left-out samples."""
 
@@ -187,8 +242,13 @@ class PlanInputs:
         self.features, self.labels, self.exclude = features, labels, exclude
 
 
-def load_plan_inputs(config: ClusterSamplingConfig, dataset_size: int) -> PlanInputs:
-    """Read `features.npy` and/or `labels.npy` from analysis_path and check them against the dataset."""
+def load_plan_inputs(config: ClusterSamplingConfig, dataset_size: int, training_data: Any = None) -> PlanInputs:
+    """Read `features.npy` and/or `labels.npy` from analysis_path and check them against the dataset.
+
+    When the folder has the `manifest.json` of `ds-cluster analyze` and the
+    dataset can be fingerprinted (an InstructionDataset), the fingerprints must
+    match: an analysis of other data with the same length is refused too.
+    """
     if not config.analysis_path:
         raise ValueError(
             "cluster_sampling.analysis_path is not set: point it at the directory written by "
@@ -210,6 +270,13 @@ def load_plan_inputs(config: ClusterSamplingConfig, dataset_size: int) -> PlanIn
                 f"{folder / name} has {array.shape[0]} rows but the training dataset has {dataset_size} samples: "
                 "the analysis was made for different data; rerun `ds-cluster analyze` on this dataset"
             )
+    _check_manifest(folder, training_data)
+    if features is not None and not np.isfinite(features).all():
+        bad_rows = np.flatnonzero(~np.isfinite(features).all(axis=1))
+        raise ValueError(
+            f"{folder / 'features.npy'} has NaN or inf in {bad_rows.size} rows (first: row {int(bad_rows[0])}); "
+            "rerun `ds-cluster analyze` (in fp32) to recompute the features"
+        )
     exclude = None
     if features is not None:
         # All-zero rows are samples without response tokens: no gradient, so no cluster.
@@ -219,6 +286,28 @@ def load_plan_inputs(config: ClusterSamplingConfig, dataset_size: int) -> PlanIn
     if labels is not None and not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"{folder / 'labels.npy'} must hold integers, got {labels.dtype}")
     return PlanInputs(features, labels, exclude)
+
+
+def _check_manifest(folder: Path, training_data: Any) -> None:
+    """Refuse an analysis whose manifest.json records another dataset than the one being trained on."""
+    manifest_path = folder / "manifest.json"
+    if not manifest_path.exists():
+        return  # a hand-made analysis (features.npy / labels.npy only): nothing recorded to compare
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{manifest_path}: unreadable or not valid JSON ({err}); rerun `ds-cluster analyze`") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{manifest_path}: expected a JSON object; rerun `ds-cluster analyze`")
+    recorded = manifest.get("dataset_fingerprint")
+    current = _dataset_fingerprint(training_data) if training_data is not None else None
+    if recorded and current and recorded != current:
+        raise ValueError(
+            f"{folder} is an analysis of another dataset: its manifest.json records dataset_fingerprint {recorded} "
+            f"(data {manifest.get('data')!r}, max_length {manifest.get('max_length')}), the training data has "
+            f"{current}. Rerun `ds-cluster analyze` on the training data with the same --max-length, or point "
+            "analysis_path at its analysis"
+        )
 
 
 def _load_array(path: Path, ndim: int) -> Optional[np.ndarray]:
