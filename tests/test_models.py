@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,39 +46,42 @@ def test_unknown_model_name_is_a_clear_error(tmp_path):
         models.load_model_and_tokenizer(str(tmp_path / "missing"))
 
 
-def test_ensure_base_model_pretrains_once_then_reuses_the_cache(tmp_path, caplog):
-    path = models.ensure_base_model(cache_dir=tmp_path, seed=0, steps=3)
-    manifest = json.loads((tmp_path / "base_model_seed0_steps3" / models.MANIFEST_NAME).read_text())
-    assert path == str(tmp_path / "base_model_seed0_steps3")
-    assert manifest["seed"] == 0 and manifest["steps"] == 3
-    assert manifest["final_loss"] == manifest["final_loss"] and manifest["final_loss"] > 0
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".base_model") and p.is_dir()]
+@pytest.fixture(scope="module")
+def base_model_path(tmp_path_factory) -> str:
+    # Two steps: enough to exercise pretraining, saving and the manifest, fast on a busy CPU.
+    return models.ensure_base_model(cache_dir=tmp_path_factory.mktemp("cache"), seed=0, steps=2)
 
-    weights = next((tmp_path / "base_model_seed0_steps3").glob("*.safetensors"))
+
+def test_ensure_base_model_pretrains_once_then_reuses_the_cache(base_model_path):
+    path = Path(base_model_path)
+    root = path.parent
+    manifest = json.loads((path / models.MANIFEST_NAME).read_text())
+    assert path.name == "base_model_seed0_steps2"
+    assert manifest["seed"] == 0 and manifest["steps"] == 2
+    assert manifest["final_loss"] == manifest["final_loss"] and manifest["final_loss"] > 0
+    assert not [p for p in root.iterdir() if p.name.startswith(".base_model") and p.is_dir()]
+
+    weights = next(path.glob("*.safetensors"))
     mtime = weights.stat().st_mtime_ns
-    assert models.ensure_base_model(cache_dir=tmp_path, seed=0, steps=3) == path
+    assert models.ensure_base_model(cache_dir=root, seed=0, steps=2) == base_model_path
     assert weights.stat().st_mtime_ns == mtime  # served from the cache, not rebuilt
 
     # The checkpoint loads back as a plain Hugging Face folder, tokenizer included.
-    model, tokenizer = models.load_model_and_tokenizer(path)
+    model, tokenizer = models.load_model_and_tokenizer(base_model_path)
     assert model.config.hidden_size == models.tiny_llama_config(len(tokenizer)).hidden_size
     assert tokenizer.decode(tokenizer("12 + 3", add_special_tokens=False)["input_ids"]) == "12 + 3"
 
 
-def test_base_model_training_is_deterministic(tmp_path):
-    first = models.ensure_base_model(cache_dir=tmp_path / "a", seed=1, steps=2)
-    second = models.ensure_base_model(cache_dir=tmp_path / "b", seed=1, steps=2)
-    load = lambda p: _parameters(models.load_model_and_tokenizer(p)[0])  # noqa: E731
-    a, b = load(first), load(second)
-    assert all(torch.equal(a[name], b[name]) for name in a)
-
-
-def test_an_incomplete_cache_folder_is_rebuilt(tmp_path):
+def test_an_incomplete_cache_folder_is_rebuilt_identically(tmp_path, base_model_path):
     broken = tmp_path / "base_model_seed0_steps2"
     broken.mkdir()
     (broken / "config.json").write_text("{}")
     path = models.ensure_base_model(cache_dir=tmp_path, seed=0, steps=2)
     assert path == str(broken) and (broken / models.MANIFEST_NAME).is_file()
+    # Same seed and recipe, same weights: pretraining is deterministic.
+    load = lambda p: _parameters(models.load_model_and_tokenizer(p)[0])  # noqa: E731
+    rebuilt, original = load(path), load(base_model_path)
+    assert all(torch.equal(rebuilt[name], original[name]) for name in original)
 
 
 def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
@@ -115,9 +119,8 @@ print("ZERO3 OK")
 
 
 @pytest.mark.integration
-def test_zero3_loading_keeps_the_checkpoint_weights(tmp_path):
+def test_zero3_loading_keeps_the_checkpoint_weights(base_model_path):
     from tests.launching import check, run_single
 
-    path = models.ensure_base_model(cache_dir=tmp_path, seed=0, steps=2)
-    result = check(run_single(["-c", _ZERO3_SCRIPT, path], timeout=240))
+    result = check(run_single(["-c", _ZERO3_SCRIPT, base_model_path], timeout=240))
     assert "ZERO3 OK" in result.stdout
