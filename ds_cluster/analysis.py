@@ -17,6 +17,7 @@ place, so a failed run leaves the previous analysis intact. The feature store
 """
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import logging
@@ -77,6 +78,21 @@ def _zero_stage(ds_config: dict) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
 
+def _write_error(err: OSError, out_dir: Path, staging: Path, arrays: dict[str, np.ndarray]) -> OSError:
+    """The write error with what it means: numpy reports a full disk only as "N requested and M written"."""
+    needed = sum(int(array.nbytes) for array in arrays.values())
+    written = sum(path.stat().st_size for path in staging.iterdir() if path.is_file())
+    free = shutil.disk_usage(staging).free
+    full = err.errno == errno.ENOSPC or free < needed - written
+    if full:
+        cause = (f"No space left on device: {free} bytes free in {out_dir.parent}, the new analysis needs about "
+                 f"{needed} (and the previous one stays until it is replaced); free space or choose another --out")
+    else:
+        cause = f"{err.strerror or err}; choose another --out"
+    code = errno.ENOSPC if full else (err.errno or errno.EIO)
+    return OSError(code, f"cannot write the analysis {out_dir}: {cause}. The previous analysis there, if any, is unchanged")
+
+
 def _publish(out_dir: Path, arrays: dict[str, np.ndarray], documents: dict[str, Any], store_dir: Path) -> None:
     """Write the analysis into a temp directory next to out_dir, then swap it in."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -84,10 +100,13 @@ def _publish(out_dir: Path, arrays: dict[str, np.ndarray], documents: dict[str, 
     staging = out_dir.parent / f".{out_dir.name}.tmp-{tag}"
     staging.mkdir()
     try:
-        for name, array in arrays.items():
-            np.save(staging / name, array, allow_pickle=False)
-        for name, document in documents.items():
-            write_json_atomic(staging / name, document)
+        try:
+            for name, array in arrays.items():
+                np.save(staging / name, array, allow_pickle=False)
+            for name, document in documents.items():
+                write_json_atomic(staging / name, document)
+        except OSError as err:
+            raise _write_error(err, out_dir, staging, arrays) from err
         carried = store_dir.parent.resolve() == out_dir.resolve() and store_dir.exists()
         if carried:
             # The store lives inside the directory being replaced: move it to the new one.

@@ -159,9 +159,20 @@ class Plan:
                 "fingerprint": self.fingerprint(),
             }
             (staging / "plan.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+            # The old plan is moved aside, not deleted, until the new one is in place: a crash in
+            # between leaves a complete plan (old or new) plus a hidden leftover, never none.
+            backup = None
             if target.exists():
-                shutil.rmtree(target)
-            os.replace(staging, target)
+                backup = target.parent / f".{target.name}.old-{staging.name.rsplit('.', 1)[-1]}"
+                os.replace(target, backup)
+            try:
+                os.replace(staging, target)
+            except BaseException:
+                if backup is not None:
+                    os.replace(backup, target)
+                raise
+            if backup is not None:
+                shutil.rmtree(backup, ignore_errors=True)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -180,6 +191,10 @@ class Plan:
             raise ValueError(f"{meta_path}: not valid JSON ({err.msg})") from None
         if meta.get("format") != PLAN_FORMAT:
             raise ValueError(f"{meta_path}: plan format {meta.get('format')} is not {PLAN_FORMAT}")
+        missing = [key for key in ("world_size", "micro_batch_size", "gradient_accumulation_steps", "allocation",
+                                   "seed", "settings", "fingerprint") if key not in meta]
+        if missing:
+            raise ValueError(f"{meta_path}: missing {', '.join(missing)} (not written by Plan.save, or corrupt)")
         arrays = {}
         for name in _ARRAYS:
             path = source / f"{name}.npy"

@@ -127,6 +127,10 @@ def _initialize(original, *args: Any, **kwargs: Any):
         check_no_curriculum(config_dict, source)
         if kwargs.get("mpu") is None:  # with model parallelism the data-parallel size is not the world size
             check_batch_arithmetic(config_dict, source, distributed.get_world_size())
+        if not (hasattr(training_data, "__len__") and hasattr(training_data, "__getitem__")):
+            raise ValueError(f"cluster_sampling picks samples by index, so training_data must be a map-style dataset "
+                             f"(with len() and [i]); got {type(training_data).__name__}. Materialise an iterable "
+                             "dataset first, or disable cluster_sampling")
         if len(training_data) == 0:
             raise ValueError("cluster_sampling is enabled but training_data is empty (0 samples): "
                              "pass the dataset to train on")

@@ -1,0 +1,171 @@
+"""Faults on 2 ranks on CPU: a rank killed mid-training, ranks given different inputs, a full or read-only disk.
+
+A SIGKILL of one rank during feature extraction, then a rerun that computes only
+the unfinished shards, is tests/test_features_distributed.py
+::test_killed_run_resumes_only_unfinished_shards (not repeated here).
+Faults are injected by tests/workers/fault_worker.py around launch/train.py;
+the library and the training script have no test-only code paths.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from ds_cluster.analysis import _publish
+from ds_cluster.data.tasks import read_jsonl, write_jsonl
+from ds_cluster.plan import Plan
+from tests.launching import BIN, REPO, check, run_deepspeed
+from tests.test_bad_inputs import assert_failed_on_every_rank, snapshot
+from tests.test_hook import read_trace, small_job, train_args  # noqa: F401  (small_job is a fixture used here)
+from tests.workers.fault_worker import KILL_AFTER_STEP_VAR, RANK_ARGS_VAR
+
+WORKER = str(REPO / "tests" / "workers" / "fault_worker.py")
+# A mismatch between ranks must end the job on every rank within this, not hang until a collective times out.
+DISAGREE_WITHIN_S = 60.0
+
+
+def worker_args(small_job: Path, out: Path, *extra: str) -> list[str]:  # noqa: F811
+    """train.py's arguments for the small job, started through the fault-injecting wrapper."""
+    args = train_args(small_job, "zero2.json", out, *extra)
+    return [WORKER, *args[1:]]
+
+
+def _timed(args: list[str], **options: Any) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    result = run_deepspeed(args, **options)
+    return result, time.monotonic() - started
+
+
+# ------------------------------------------------------------------------------------------ SIGKILL, then resume
+@pytest.mark.integration
+def test_rank_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(small_job, tmp_path):  # noqa: F811
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    check(run_deepspeed(train_args(small_job, "zero2.json", whole, "--max-steps", "6"), timeout=300))
+
+    # Rank 1 dies (SIGKILL) right after optimizer step 3; the last checkpoint is step 2's.
+    killed, elapsed = _timed(worker_args(small_job, parts, "--max-steps", "6", "--save-every", "2"),
+                             timeout=300, env_extra={KILL_AFTER_STEP_VAR: "3"})
+    assert killed.returncode != 0, killed.stdout[-3000:]
+    assert elapsed < 120, f"the surviving rank was left running for {elapsed:.0f} s"
+    assert (parts / "checkpoints" / "latest").read_text().strip() == "global_step2"
+    gas = Plan.load(parts / "plan").gradient_accumulation_steps
+    micro_steps_saved = 2 * gas
+    lines_before = {rank: len(read_trace(parts, rank)) for rank in range(2)}
+    assert all(count >= micro_steps_saved for count in lines_before.values()), lines_before
+
+    check(run_deepspeed(train_args(small_job, "zero2.json", parts, "--max-steps", "6", "--save-every", "2",
+                                   "--resume"), timeout=300))
+    for rank in range(2):
+        expected, trace = read_trace(whole, rank), read_trace(parts, rank)
+        # What the checkpoint holds, then what the resumed run appended (the killed run's extra micro-steps,
+        # past the checkpoint, are lost work and are redone).
+        replayed = trace[:micro_steps_saved] + trace[lines_before[rank]:]
+        assert [r["indices"] for r in replayed] == [r["indices"] for r in expected], f"rank {rank}"
+        assert np.allclose([r["loss"] for r in replayed], [r["loss"] for r in expected], rtol=0, atol=1e-6)
+    summaries = [json.loads((parts / f"summary_rank{rank}.json").read_text()) for rank in range(2)]
+    whole_summary = json.loads((whole / "summary_rank0.json").read_text())
+    assert {s["parameter_digest"] for s in summaries} == {whole_summary["parameter_digest"]}
+
+
+# ------------------------------------------------------------------------------------------ ranks that disagree
+def _reversed_data(small_job: Path, tmp_path: Path) -> Path:  # noqa: F811
+    """The same records in reverse order: the same N, so only a content check can tell."""
+    path = tmp_path / "reversed.jsonl"
+    write_jsonl(list(reversed(read_jsonl(small_job / "train.jsonl"))), path)
+    return path
+
+
+def _other_seed_config(small_job: Path, tmp_path: Path) -> Path:  # noqa: F811
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    config["data_efficiency"]["data_sampling"]["cluster_sampling"]["seed"] = 99
+    path = tmp_path / "other_seed.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("option,make_value,phrase", [
+    ("--data", _reversed_data, "ranks disagree on the training data"),
+    ("--deepspeed", _other_seed_config, "ranks disagree on the cluster plan fingerprint"),
+], ids=["other data on rank 1", "other cluster_sampling seed on rank 1"])
+def test_rank_given_different_input_fails_every_rank_instead_of_hanging(
+        small_job, tmp_path, option, make_value, phrase):  # noqa: F811
+    per_rank = {"1": {option: str(make_value(small_job, tmp_path))}}
+    out = tmp_path / "out"
+    result, elapsed = _timed(worker_args(small_job, out, "--max-steps", "2"), timeout=DISAGREE_WITHIN_S + 60,
+                             env_extra={RANK_ARGS_VAR: json.dumps(per_rank)})
+    output = assert_failed_on_every_rank(result, phrase, elapsed)
+    assert elapsed < DISAGREE_WITHIN_S, f"took {elapsed:.0f} s"
+    assert "ranks [1] differ from rank 0" in output and "Every rank must see the same data" in output
+    assert not out.exists(), "a failed start wrote files"
+
+
+# ------------------------------------------------------------------------------------------ full / read-only disk
+def _mount_tmpfs(folder: Path, options: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); needs root in a mount-capable container")
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A 128 KiB filesystem: room for a small previous analysis, not for a new one beside it."""
+    folder = tmp_path / "disk"
+    _mount_tmpfs(folder, "size=128k")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def _previous_analysis(folder: Path) -> Path:
+    analysis = folder / "analysis"
+    analysis.mkdir()
+    np.save(analysis / "features.npy", np.ones((100, 16), np.float32))
+    (analysis / "manifest.json").write_text(json.dumps({"format_version": 1, "note": "the previous analysis"}))
+    return analysis
+
+
+@pytest.mark.integration
+def test_full_disk_while_writing_the_analysis_keeps_the_previous_one(small_job, small_disk, tmp_path):  # noqa: F811
+    previous = _previous_analysis(small_disk)
+    before = snapshot(small_disk)
+    # The feature store lives elsewhere, so the disk fills exactly while the analysis directory is written.
+    args = [str(BIN / "ds-cluster"), "analyze", "--deepspeed", str(REPO / "ds_configs" / "zero2.json"),
+            "--model", "tiny", "--data", str(small_job / "train.jsonl"), "--out", str(previous),
+            "--store", str(tmp_path / "store"), "--kind", "proxy", "--batch-size", "32", "--max-length", "64",
+            "--no-progress"]
+    result, elapsed = _timed(args, timeout=240)
+    assert_failed_on_every_rank(result, "No space left on device", elapsed)
+    assert snapshot(small_disk) == before, "the previous analysis changed, or a partial one was left behind"
+
+
+def test_read_only_disk_while_writing_the_analysis_keeps_the_previous_one(tmp_path):
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "size=256k")
+    try:
+        previous = _previous_analysis(disk)
+        before = snapshot(disk)
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        with pytest.raises(OSError, match="Read-only file system"):
+            _publish(previous, {"features.npy": np.zeros((4, 2), np.float32)}, {"manifest.json": {}},
+                     tmp_path / "store")
+        assert snapshot(disk) == before
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_full_disk_in_publish_names_the_space_needed_and_keeps_the_previous_one(small_disk, tmp_path):
+    previous = _previous_analysis(small_disk)
+    before = snapshot(small_disk)
+    with pytest.raises(OSError, match=r"No space left on device: \d+ bytes free in .*needs about 400000.*"
+                                      r"choose another --out\. The previous analysis there, if any, is unchanged"):
+        _publish(previous, {"features.npy": np.zeros((1000, 100), np.float32)}, {"manifest.json": {}},
+                 tmp_path / "store")
+    assert snapshot(small_disk) == before
