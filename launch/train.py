@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -33,6 +34,7 @@ import ds_cluster  # noqa: E402
 from ds_cluster import distributed  # noqa: E402
 from ds_cluster.config import BLOCK_PATH, load_ds_config  # noqa: E402
 from ds_cluster.data.instructions import load_instruction_dataset  # noqa: E402
+from ds_cluster.features.store import write_json_atomic  # noqa: E402
 from ds_cluster.loss import weighted_causal_lm_loss  # noqa: E402
 from ds_cluster.models import load_model_and_tokenizer  # noqa: E402
 
@@ -58,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bf16", action="store_true", help="turn on bf16 in the DeepSpeed config")
     parser.add_argument("--seed", type=int, default=0, help="model initialisation seed")
     parser.add_argument("--trace", action="store_true", help="write every micro-step's indices and loss per rank")
+    parser.add_argument("--save-model", default=None, metavar="DIR",
+                        help="at the end, save the trained model and tokenizer as a Hugging Face folder (rank 0; "
+                             "ZeRO-3 parameters gathered), loadable with from_pretrained or --model DIR")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
 
@@ -87,6 +92,45 @@ def parameter_digest(engine) -> str:
     return digest.hexdigest()[:16]
 
 
+def save_hf_model(engine, tokenizer, folder: Path, rank: int) -> None:
+    """Write the trained weights as a Hugging Face model folder (rank 0), gathering ZeRO-3 shards first.
+
+    Collective under ZeRO-3: every rank takes part in the gather.
+    """
+    import deepspeed
+
+    module = engine.module
+    state = None
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None,
+                                           enabled=engine.zero_optimization_stage() == 3):
+        if rank == 0:
+            # Copied inside the gather: outside it ZeRO-3 parameters are empty placeholders.
+            state = {name: tensor.detach().cpu().clone() for name, tensor in module.state_dict().items()}
+    if rank == 0:
+        module.save_pretrained(folder, state_dict=state)
+        tokenizer.save_pretrained(folder)
+        logger.info("model saved to %s", folder)
+
+
+def output_dir_problem(output: Path) -> Optional[str]:
+    """Why `output` cannot hold the run's files, or None. Creates nothing.
+
+    access(2) is asked about the nearest folder that exists: it reports a
+    read-only filesystem (EROFS) even to root, who ignores permission bits.
+    """
+    existing = output
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return (f"--output-dir {output} cannot be created: {existing} is a file, not a folder; "
+                "choose another --output-dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "it" if existing == output else f"its parent {existing}"
+        return (f"--output-dir {output} is not writable: {where} is on a read-only filesystem or not writable "
+                "by this user; choose a writable --output-dir (checkpoints, plan and summaries go there)")
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -96,6 +140,10 @@ def main(argv=None) -> int:
         logging.getLogger().setLevel(logging.WARNING)
     import deepspeed
 
+    # Checked on every rank before the model is built: a run that cannot save its checkpoints should not
+    # train for hours first, and a rank that cannot write must not leave the others waiting.
+    problem = output_dir_problem(Path(args.output_dir))
+    distributed.agree_on_error(ValueError(problem) if problem else None, "checking --output-dir")
     config = prepare_config(args)
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
     model, tokenizer = load_model_and_tokenizer(args.model, ds_config=config, dtype=dtype, seed=args.seed)
@@ -121,6 +169,7 @@ def main(argv=None) -> int:
     losses: list[float] = []
     micro_per_step = engine.gradient_accumulation_steps()
     start = time.perf_counter()
+    cpu_start = time.process_time()  # this rank's CPU (all its threads): the machine may be shared
     done = False
     while not done and loader.completed_epochs < args.epochs:
         for batch in loader:
@@ -144,10 +193,14 @@ def main(argv=None) -> int:
                 done = True
                 break
     elapsed = time.perf_counter() - start
+    cpu_elapsed = time.process_time() - cpu_start
     digest = parameter_digest(engine)
+    if args.save_model:
+        save_hf_model(engine, tokenizer, Path(args.save_model), rank)
     summary = {"rank": rank, "steps": engine.global_steps, "micro_steps": len(losses), "train_seconds": elapsed,
+               "train_cpu_seconds": cpu_elapsed,
                "first_losses": losses[:4], "last_losses": losses[-4:], "parameter_digest": digest}
-    (output / f"summary_rank{rank}.json").write_text(json.dumps(summary, indent=2))
+    write_json_atomic(output / f"summary_rank{rank}.json", summary)
     if rank == 0:
         plan_summary = loader.plan.summary() if hasattr(loader, "plan") else {}
         logger.info("done: %d steps in %.1f s, final loss %.4f, kept %s of %s samples", engine.global_steps,

@@ -25,7 +25,7 @@ import numpy as np
 
 from ds_cluster import distributed
 from ds_cluster.config import ClusterSamplingConfig, load_ds_config
-from ds_cluster.plan import Plan, build_plan
+from ds_cluster.plan import build_plan
 from ds_cluster.sampler import ClusterDataLoader
 
 logger = logging.getLogger(__name__)

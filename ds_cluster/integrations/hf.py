@@ -1,0 +1,238 @@
+"""Hugging Face Trainer integration: `ClusterTrainer` trains on the cluster plan with the weighted loss.
+
+    from ds_cluster.hf import ClusterTrainer
+    args = TrainingArguments(output_dir="runs/hf", deepspeed="ds_configs/zero3.json", ...)
+    trainer = ClusterTrainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()                       # or trainer.train(resume_from_checkpoint=True)
+
+The `cluster_sampling` block is read from the same DeepSpeed config
+(`args.deepspeed`), or given as `cluster_config=`. Without an enabled block
+ClusterTrainer is a plain Trainer. Do not call `ds_cluster.install()` in a
+Trainer script: Trainer starts DeepSpeed itself, without training data.
+
+Why a Trainer subclass and not a callback: a callback cannot choose the
+batches. Why the data loader is built here and never given to
+`accelerator.prepare`: Accelerate wraps the batch sampler of a prepared
+loader in `BatchSamplerShard`, which would split this rank's plan batches
+again across ranks; the plan already says what every rank trains on.
+
+Resume: Trainer itself skips the micro-batches already trained in the
+resumed epoch (`skip_first_batches` wraps our batch sampler in a
+`SkipBatchSampler` and calls our `set_epoch`). So the sampler always starts
+an epoch at its first batch and exactly one mechanism skips; the sampler
+state saved in each checkpoint folder is checked on resume against the plan
+(same data, analysis, config and world size) and against Trainer's own
+resume point, so a resumed run cannot silently train on another sequence.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional, Union
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+from transformers import Trainer
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.utils import is_datasets_available
+
+from ds_cluster import distributed
+from ds_cluster.config import ClusterSamplingConfig
+from ds_cluster.integrations.deepspeed import load_plan_inputs
+from ds_cluster.loss import weighted_causal_lm_loss
+from ds_cluster.plan import Plan, build_plan
+from ds_cluster.sampler import SAMPLE_INDEX, SAMPLE_WEIGHT, ClusterDataLoader
+
+logger = logging.getLogger(__name__)
+
+SAMPLER_STATE_FILE = "ds_cluster_sampler.json"
+
+
+class PlanBatchSampler(Sampler[list[int]]):
+    """This rank's micro-batches of the current epoch, in plan order; `set_epoch` picks the epoch."""
+
+    def __init__(self, loader: ClusterDataLoader):
+        super().__init__()
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return self.loader.micro_batches_per_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        # Called by Trainer at the start of every epoch, also a resumed one (whose first batches
+        # Trainer skips itself): an epoch always starts at its first micro-batch here.
+        self.loader.epoch, self.loader.position = int(epoch), 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self.loader.rank_schedule(self.loader.epoch).tolist()
+
+
+class PlanDataLoader(DataLoader):
+    """A DataLoader over a PlanBatchSampler with `set_epoch`, which Trainer calls on loaders that have it."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)  # type: ignore[union-attr]
+
+
+def _cluster_config(config: Union[None, ClusterSamplingConfig, Mapping[str, Any]], ds_config: Any
+                    ) -> ClusterSamplingConfig:
+    if isinstance(config, ClusterSamplingConfig):
+        return config
+    if config is not None:
+        return ClusterSamplingConfig.from_dict(config)
+    if ds_config is None:
+        return ClusterSamplingConfig(enabled=False)
+    return ClusterSamplingConfig.from_ds_config(ds_config)
+
+
+class ClusterTrainer(Trainer):
+    """A `transformers.Trainer` whose training batches and loss come from the cluster plan.
+
+    Every rank gets exactly its part of each global batch of the plan
+    (`world_size` x `per_device_train_batch_size` x `gradient_accumulation_steps`),
+    and the loss is mean_i w_i * loss_i of a causal LM (labels shifted inside).
+    Checkpoints carry the sampler state (`ds_cluster_sampler.json` in each
+    checkpoint folder). Extra keyword: `cluster_config` (a ClusterSamplingConfig
+    or a `cluster_sampling` dict) instead of the block in `args.deepspeed`.
+    """
+
+    # Our loss is a mean over one micro-batch: Trainer divides it by the accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args: Any, cluster_config: Union[None, ClusterSamplingConfig, Mapping[str, Any]] = None,
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.cluster_config = _cluster_config(cluster_config, self.args.deepspeed)
+        self.plan: Optional[Plan] = None
+        self.cluster_loader: Optional[ClusterDataLoader] = None
+        self._resume_checkpoint: Optional[str] = None
+        if self.cluster_config.enabled:
+            # The weighted loss is not normalised by a token count: no need to count tokens across ranks.
+            self.model_accepts_loss_kwargs = False
+
+    # ------------------------------------------------------------------ plan
+    def build_cluster_plan(self) -> Plan:
+        """The plan for this run's batch shape; the same on every rank (fingerprints compared).
+
+        Rank and world size come from torch.distributed, not from `args.process_index`/`world_size`:
+        Accelerate reports one process for DeepSpeed on CPU although DeepSpeed trains on all of them.
+        """
+        world_size = distributed.get_world_size()
+        micro = self._train_batch_size
+        accumulation = self.args.gradient_accumulation_steps
+        shape = (world_size, micro, accumulation)
+        if self.plan is not None and (self.plan.world_size, self.plan.micro_batch_size,
+                                      self.plan.gradient_accumulation_steps) == shape:
+            return self.plan
+        error: Optional[BaseException] = None
+        plan = None
+        try:
+            inputs = load_plan_inputs(self.cluster_config, len(self.train_dataset))  # type: ignore[arg-type]
+            plan = build_plan(inputs.features, self.cluster_config, world_size=world_size, micro_batch_size=micro,
+                              gradient_accumulation_steps=accumulation, labels=inputs.labels, exclude=inputs.exclude)
+        except (ValueError, FileNotFoundError) as err:
+            error = err
+        # A failure on one rank is an error on all of them, not a hang in the first collective.
+        distributed.agree_on_error(error, "building the cluster plan")
+        assert plan is not None
+        distributed.check_agreement(plan.fingerprint(), "cluster plan fingerprint")
+        self.plan = plan
+        if distributed.get_rank() == 0:
+            summary = plan.summary()
+            logger.info("ds_cluster: kept %d of %d samples in %d clusters; %d steps per epoch; plan %s",
+                        summary["num_kept"], summary["num_samples"], summary["num_clusters"],
+                        summary["steps_per_epoch"], summary["fingerprint"])
+        return plan
+
+    # ------------------------------------------------------------------ data
+    def get_train_dataloader(self) -> DataLoader:
+        if not self.cluster_config.enabled:
+            return super().get_train_dataloader()
+        if self.train_dataset is None:
+            raise ValueError("ClusterTrainer: training requires a train_dataset.")
+        plan = self.build_cluster_plan()
+        dataset = self.train_dataset
+        if is_datasets_available() and isinstance(dataset, __import__("datasets").Dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+            user_collate = self.data_collator
+        else:
+            # Trainer's column filter knows nothing of sample_index/sample_weight: apply it to the
+            # user's fields only, inside the collate that adds the two back.
+            user_collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        self.cluster_loader = ClusterDataLoader(dataset, plan, distributed.get_rank(), collate_fn=user_collate)
+        if self._resume_checkpoint is not None:
+            self._check_sampler_state(self._resume_checkpoint, plan)
+        return PlanDataLoader(self.cluster_loader.dataset, batch_sampler=PlanBatchSampler(self.cluster_loader),
+                              collate_fn=self.cluster_loader.collate_fn,
+                              num_workers=self.args.dataloader_num_workers,
+                              pin_memory=self.args.dataloader_pin_memory)
+
+    # ------------------------------------------------------------------ loss
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        if SAMPLE_WEIGHT not in inputs:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        # Labels stay out of the forward: the model would compute an unweighted loss we do not use.
+        model_inputs = {k: v for k, v in inputs.items() if k not in (SAMPLE_INDEX, SAMPLE_WEIGHT, "labels")}
+        outputs = model(**model_inputs)
+        loss = weighted_causal_lm_loss(outputs, inputs)
+        return (loss, outputs) if return_outputs else loss
+
+    # ----------------------------------------------------------- checkpoints
+    def train(self, resume_from_checkpoint: Union[str, bool, None] = None, *args: Any, **kwargs: Any):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        self._resume_checkpoint = resume_from_checkpoint or None
+        try:
+            return super().train(resume_from_checkpoint or None, *args, **kwargs)
+        finally:
+            self._resume_checkpoint = None
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.cluster_loader is None or self.plan is None or distributed.get_rank() != 0:
+            return
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        state = self.cluster_loader.state_dict()
+        # The position from the optimizer step, not from what the loader has read ahead (workers prefetch).
+        state["epoch"], state["position"] = self._resume_point(self.state.global_step, self.plan)
+        state["global_step"] = self.state.global_step
+        tmp = folder / f".{SAMPLER_STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(state, indent=2, sort_keys=True))
+        os.replace(tmp, folder / SAMPLER_STATE_FILE)
+
+    @staticmethod
+    def _resume_point(global_step: int, plan: Plan) -> tuple[int, int]:
+        """(epoch, micro-batches of it trained) after `global_step` optimizer steps: Trainer's own arithmetic."""
+        epoch, steps_in_epoch = divmod(global_step, plan.steps_per_epoch)
+        return epoch, steps_in_epoch * plan.gradient_accumulation_steps
+
+    def _check_sampler_state(self, checkpoint: str, plan: Plan) -> None:
+        """The checkpoint was trained on this plan and stopped where Trainer will resume."""
+        assert self.cluster_loader is not None
+        state_path = Path(checkpoint) / SAMPLER_STATE_FILE
+        error: Optional[BaseException] = None
+        try:
+            if not state_path.exists():
+                logger.warning("%s holds no %s: resuming without checking the plan", checkpoint, SAMPLER_STATE_FILE)
+            else:
+                state = json.loads(state_path.read_text())
+                self.cluster_loader.load_state_dict(state)  # raises on another plan
+                global_step = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json")).global_step
+                expected = self._resume_point(global_step, plan)
+                if (state["epoch"], state["position"]) != expected or state.get("global_step") != global_step:
+                    raise ValueError(
+                        f"{state_path}: sampler at epoch {state['epoch']} micro-batch {state['position']} (step "
+                        f"{state.get('global_step')}) but the checkpoint is at step {global_step}, i.e. epoch "
+                        f"{expected[0]} micro-batch {expected[1]}")
+        except (ValueError, OSError, KeyError) as err:
+            error = err if isinstance(err, ValueError) else ValueError(f"{state_path}: {err}")
+        distributed.agree_on_error(error, "restoring the cluster sampler state")
+        # Trainer skips the resumed epoch's first micro-batches itself; the sampler starts the epoch whole.
+        self.cluster_loader.position = 0

@@ -1,0 +1,129 @@
+"""The `ds-cluster` subcommands: help, plan, report, train (dry runs and one real 2-rank run)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_cluster.cli import main, resolve_batch_shape
+from ds_cluster.plan import Plan
+from tests.launching import REPO, check, job_env
+from tests.test_hook import small_job  # noqa: F401  (a fixture: 485 records and a hand-made analysis)
+
+CONFIG = REPO / "ds_configs" / "zero2.json"
+
+
+@pytest.fixture(scope="module")
+def analysis(small_job: Path) -> Path:  # noqa: F811
+    """small_job's analysis with a manifest naming its data, as `ds-cluster analyze` writes one."""
+    folder = small_job / "analysis"
+    (folder / "manifest.json").write_text(json.dumps({"data": str(small_job / "train.jsonl")}))
+    return folder
+
+
+@pytest.mark.parametrize("command", ["analyze", "plan", "report", "train"])
+def test_every_subcommand_explains_itself(command: str, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "examples:" in text and f"ds-cluster {command}" in text.replace("$(which ds-cluster) ", "ds-cluster ")
+    assert "--deepspeed" in text
+
+
+def test_batch_shape_comes_from_flags_then_config_then_one():
+    config = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    assert resolve_batch_shape(config, None, None, None) == (4, 4, 2)
+    assert resolve_batch_shape(config, 8, 1, None) == (8, 1, 2)
+    assert resolve_batch_shape({"train_micro_batch_size_per_gpu": 4}, None, None, None) == (1, 4, 1)
+    # Hugging Face's "auto" is not a number: fall back.
+    assert resolve_batch_shape({"train_micro_batch_size_per_gpu": "auto"}, None, None, None) == (1, 1, 1)
+    with pytest.raises(ValueError, match="pass --world-size"):
+        resolve_batch_shape({**config, "train_batch_size": 33}, None, None, None)
+
+
+def test_plan_prints_the_summary_and_coverage(analysis: Path, tmp_path: Path, capsys):
+    out = tmp_path / "plan"
+    assert main(["plan", "--analysis", str(analysis), "--deepspeed", str(CONFIG), "--world-size", "2",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    saved = Plan.load(out)
+    assert saved.world_size == 2 and saved.micro_batch_size == 4 and saved.gradient_accumulation_steps == 2
+    assert f"plan {saved.fingerprint()}" in text
+    assert "clusters per global step min" in text and "per rank and step min" in text
+    for cluster in range(saved.num_clusters):
+        assert f"{int(saved.cluster_sizes[cluster]):>8} {int(saved.kept_sizes[cluster]):>8}" in text
+
+
+def test_plan_json_matches_the_plan(analysis: Path, capsys):
+    assert main(["plan", "--analysis", str(analysis), "--deepspeed", str(CONFIG), "--world-size", "2",
+                 "--micro-batch-size", "2", "--gradient-accumulation-steps", "1", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["summary"]["global_batch_size"] == 4
+    assert printed["coverage"]["steps"] == printed["summary"]["steps_per_epoch"]
+    # The paper preset: K = world size, one cluster per rank in every step.
+    assert printed["summary"]["num_clusters"] == 2 and printed["coverage"]["clusters_per_rank_step_mean"] == 1.0
+
+
+def test_plan_of_a_missing_analysis_is_an_error_message(tmp_path: Path, caplog):
+    assert main(["plan", "--analysis", str(tmp_path / "nowhere"), "--deepspeed", str(CONFIG)]) == 2
+    assert "nowhere does not exist" in caplog.text
+
+
+def test_report_writes_the_page_with_a_family_table(analysis: Path, tmp_path: Path, capsys):
+    assert main(["report", "--analysis", str(analysis), "--deepspeed", str(CONFIG), "--world-size", "2",
+                 "--out", str(tmp_path / "report")]) == 0
+    index = tmp_path / "report" / "index.html"
+    assert f"report: {index}" in capsys.readouterr().out
+    page = index.read_text()
+    assert "Purity" in page and "families.png" in page and "projection.png" in page
+    assert (tmp_path / "report" / "families.png").stat().st_size > 0
+
+
+def dry_run(capsys, *args: str) -> str:
+    assert main(["train", "--deepspeed", "cfg.json", *args, "--dry-run", "--", "--model", "tiny"]) == 0
+    return capsys.readouterr().out
+
+
+def test_train_dry_run_commands(capsys):
+    deepspeed = dry_run(capsys, "--nproc", "3", "--master-port", "29999")
+    assert "MASTER_ADDR=127.0.0.1" in deepspeed and "GLOO_SOCKET_IFNAME=lo" in deepspeed
+    assert "deepspeed --num_gpus 3 --master_addr 127.0.0.1 --master_port 29999" in deepspeed
+    assert deepspeed.rstrip().endswith("launch/train.py --deepspeed cfg.json --model tiny")
+
+    mpirun = dry_run(capsys, "--launcher", "mpirun")
+    assert "mpirun -np 2 --oversubscribe --mca btl self,vader --mca oob_tcp_if_include lo" in mpirun
+    assert "-x MASTER_ADDR" in mpirun and "-x GLOO_SOCKET_IFNAME" in mpirun and sys.executable in mpirun
+
+    single = dry_run(capsys, "--launcher", "none")
+    assert "RANK=0" in single and "WORLD_SIZE=1" in single and "deepspeed --num_gpus" not in single
+
+    hosts = dry_run(capsys, "--hostfile", "hosts.txt")
+    assert "--hostfile hosts.txt --launcher openmpi --master_port 29500" in hosts
+    assert "127.0.0.1" not in hosts and "GLOO_SOCKET_IFNAME" not in hosts
+
+
+@pytest.mark.integration
+def test_train_runs_two_ranks_with_the_deepspeed_launcher(small_job: Path, tmp_path: Path):  # noqa: F811
+    """A real ZeRO-3 run through `ds-cluster train`, and its --save-model folder holds the trained weights."""
+    out, config = tmp_path / "run", REPO / "ds_configs" / "zero3.json"
+    command = [sys.executable, "-m", "ds_cluster.cli", "train", "--deepspeed", str(config), "--nproc", "2", "--",
+               "--model", "tiny", "--data", str(small_job / "train.jsonl"), "--analysis", str(small_job / "analysis"),
+               "--output-dir", str(out), "--max-length", "64", "--max-steps", "2", "--save-model", str(out / "model")]
+    result = check(subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300))
+    assert f"train.py --deepspeed {config} --model tiny" in result.stdout.splitlines()[0]  # the printed command
+    summaries = [json.loads((out / f"summary_rank{rank}.json").read_text()) for rank in range(2)]
+    assert [s["steps"] for s in summaries] == [2, 2]
+    assert summaries[0]["parameter_digest"] == summaries[1]["parameter_digest"]
+
+    from ds_cluster.models import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(str(out / "model"))
+    digest = hashlib.sha256()
+    for param in model.parameters():  # as launch/train.py's parameter_digest
+        digest.update(param.detach().float().cpu().numpy().round(5).tobytes())
+    assert digest.hexdigest()[:16] == summaries[0]["parameter_digest"], "saved weights are not the trained ones"

@@ -1,0 +1,128 @@
+"""ClusterTrainer (Hugging Face Trainer + DeepSpeed ZeRO-3, 2 ranks on CPU): plan batches per rank, exact resume."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ds_cluster import ClusterSamplingConfig, Plan, build_plan
+from ds_cluster.hf import SAMPLER_STATE_FILE
+from ds_cluster.integrations.deepspeed import load_plan_inputs
+from tests.launching import REPO, check, run_deepspeed
+from tests.test_hook import read_trace, small_job  # noqa: F401  (small_job is a fixture used below)
+
+WORKER = REPO / "tests" / "workers" / "hf_trainer_worker.py"
+WORLD = 2
+MAX_STEPS = 7
+SAVE_STEPS = 5  # with 4 steps per epoch: a checkpoint inside the second epoch
+
+
+@pytest.fixture(scope="module")
+def trainer_config(small_job: Path) -> Path:  # noqa: F811
+    """zero3.json with a small budget (4 optimizer steps per epoch) and the hand-made analysis."""
+    config = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    block = config["data_efficiency"]["data_sampling"]["cluster_sampling"]
+    block.update(analysis_path=str(small_job / "analysis"), budget_ratio=0.2)
+    path = small_job / "hf_zero3.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def expected_plan(small_job: Path, trainer_config: Path) -> Plan:  # noqa: F811
+    """The plan built here, independently of the Trainer, for the run's batch shape."""
+    config = ClusterSamplingConfig.from_ds_config(trainer_config)
+    num_samples = sum(1 for _ in (small_job / "train.jsonl").open())
+    inputs = load_plan_inputs(config, num_samples)
+    ds_config = json.loads(trainer_config.read_text())
+    return build_plan(inputs.features, config, world_size=WORLD,
+                      micro_batch_size=ds_config["train_micro_batch_size_per_gpu"],
+                      gradient_accumulation_steps=ds_config["gradient_accumulation_steps"],
+                      labels=inputs.labels, exclude=inputs.exclude)
+
+
+def worker_args(job: Path, config: Path, out: Path, *extra: str) -> list[str]:
+    return [str(WORKER), "--deepspeed", str(config), "--data", str(job / "train.jsonl"), "--out", str(out),
+            "--max-steps", str(MAX_STEPS), "--save-steps", str(SAVE_STEPS), *extra]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(small_job: Path, trainer_config: Path, tmp_path_factory) -> Path:  # noqa: F811
+    out = tmp_path_factory.mktemp("hf_whole")
+    check(run_deepspeed(worker_args(small_job, trainer_config, out), nproc=WORLD, timeout=300))
+    return out
+
+
+@pytest.mark.integration
+def test_each_rank_trains_on_exactly_its_plan_batches(uninterrupted_run: Path, expected_plan: Plan):
+    assert (uninterrupted_run / "plan_fingerprint.txt").read_text() == expected_plan.fingerprint()
+    accumulation = expected_plan.gradient_accumulation_steps
+    micro_per_epoch = expected_plan.steps_per_epoch * accumulation
+    assert expected_plan.steps_per_epoch < MAX_STEPS, "the run should cross an epoch boundary"
+    schedules = {epoch: expected_plan.schedule(epoch) for epoch in range(2)}
+    for rank in range(WORLD):
+        trace = read_trace(uninterrupted_run, rank)
+        assert len(trace) == MAX_STEPS * accumulation, f"rank {rank} trained {len(trace)} micro-batches"
+        for number, record in enumerate(trace):
+            epoch, in_epoch = divmod(number, micro_per_epoch)
+            step, micro = divmod(in_epoch, accumulation)
+            assert record["indices"] == schedules[epoch][step, rank, micro].tolist(), (rank, number)
+            assert record["step"] == number // accumulation
+
+
+@pytest.mark.integration
+def test_resume_from_a_checkpoint_continues_the_same_sequence(uninterrupted_run: Path, small_job: Path,  # noqa: F811
+                                                              trainer_config: Path, tmp_path: Path,
+                                                              expected_plan: Plan):
+    checkpoint = uninterrupted_run / f"checkpoint-{SAVE_STEPS}"
+    state = json.loads((checkpoint / SAMPLER_STATE_FILE).read_text())
+    epoch, steps_in_epoch = divmod(SAVE_STEPS, expected_plan.steps_per_epoch)
+    assert (state["epoch"], state["position"]) == (epoch, steps_in_epoch * expected_plan.gradient_accumulation_steps)
+    assert state["plan_fingerprint"] == expected_plan.fingerprint()
+
+    # New processes, resumed from the mid-epoch checkpoint, to the same last step.
+    resumed = tmp_path / "resumed"
+    check(run_deepspeed(worker_args(small_job, trainer_config, resumed, "--resume", str(checkpoint)),
+                        nproc=WORLD, timeout=300))
+    skipped = SAVE_STEPS * expected_plan.gradient_accumulation_steps
+    for rank in range(WORLD):
+        expected, got = read_trace(uninterrupted_run, rank)[skipped:], read_trace(resumed, rank)
+        assert [r["indices"] for r in got] == [r["indices"] for r in expected], f"rank {rank}"
+        assert [r["step"] for r in got] == [r["step"] for r in expected]
+        # Same parameters, optimizer state and data: the same fp32 losses.
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], abs=1e-5)
+
+
+def test_one_process_loader_follows_the_plan_and_refuses_a_checkpoint_of_another(small_job: Path,  # noqa: F811
+                                                                                  trainer_config: Path,
+                                                                                  tmp_path: Path):
+    """In-process, no launcher: the loader is the plan for world 1, and a foreign checkpoint is an error."""
+    from transformers import TrainingArguments
+
+    from ds_cluster.data.instructions import load_instruction_dataset
+    from ds_cluster.hf import ClusterTrainer
+    from ds_cluster.models import load_model_and_tokenizer
+
+    block = json.loads(trainer_config.read_text())["data_efficiency"]["data_sampling"]["cluster_sampling"]
+    block = {**block, "preset": None, "allocation": "stratified", "num_clusters": 3, "kmeans_n_init": 1}
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                             use_cpu=True, report_to=[])
+    model, tokenizer = load_model_and_tokenizer("tiny", seed=0)
+    dataset = load_instruction_dataset(small_job / "train.jsonl", tokenizer, max_length=64)
+    trainer = ClusterTrainer(model=model, args=args, train_dataset=dataset, cluster_config=block)
+    loader = trainer.get_train_dataloader()
+    schedule = trainer.plan.schedule(0)
+    assert trainer.plan.world_size == 1 and len(loader) == trainer.plan.steps_per_epoch * 2
+    assert [batch["sample_index"].tolist() for batch in loader] == schedule.reshape(-1, 4).tolist()
+    assert next(iter(loader))["sample_weight"].tolist() == trainer.plan.weights[schedule[0, 0, 0]].astype(
+        "float32").tolist()
+
+    checkpoint = tmp_path / "checkpoint-1"
+    checkpoint.mkdir()
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 1}))
+    foreign = {**trainer.cluster_loader.state_dict(), "plan_fingerprint": "0123456789abcdef"}
+    (checkpoint / SAMPLER_STATE_FILE).write_text(json.dumps(foreign))
+    trainer._resume_checkpoint = str(checkpoint)
+    with pytest.raises(ValueError, match="trained on plan 0123456789abcdef"):
+        trainer.get_train_dataloader()

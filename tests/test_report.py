@@ -1,0 +1,197 @@
+"""The HTML report: coverage counts, PCA, family purity, a self-contained folder, and a real render in Chromium."""
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds_cluster import ClusterSamplingConfig, Plan, build_plan
+from ds_cluster.report import (cluster_counts_per_rank_step, cluster_family_counts, pca_projection,
+                               schedule_coverage, write_report)
+
+FAMILIES = ("add", "sort", "reverse")
+
+
+@pytest.fixture(scope="module")
+def blobs() -> tuple[np.ndarray, list[str]]:
+    """300 samples in three separated blobs (one family each, a few strays), the last 5 all-zero (no response)."""
+    rng = np.random.default_rng(0)
+    centres = rng.normal(0, 6, (3, 8))
+    family_ids = np.repeat([0, 1, 2], [150, 90, 60])
+    features = (centres[family_ids] + rng.normal(0, 1, (300, 8))).astype(np.float32)
+    features[-5:] = 0.0
+    families = [FAMILIES[i] for i in family_ids]
+    families[0] = "sort"  # a stray: purity just below 1
+    return features, families
+
+
+def make_plan(features: np.ndarray, paper: bool = False) -> Plan:
+    """3 clusters, proportional budget, stratified allocation; or the paper's K = world, min budget, one cluster a rank."""
+    config = ClusterSamplingConfig(enabled=True, num_clusters=3, budget_mode="proportional", budget_ratio=0.5,
+                                   kmeans_n_init=2)
+    if paper:
+        config = ClusterSamplingConfig(enabled=True, preset="paper", kmeans_n_init=2, budget_ratio=0.5)
+    exclude = ~np.any(features != 0, axis=1)
+    return build_plan(features, config, world_size=2, micro_batch_size=4, gradient_accumulation_steps=2,
+                      exclude=exclude)
+
+
+@pytest.fixture(scope="module")
+def plan(blobs) -> Plan:
+    return make_plan(blobs[0])
+
+
+def test_counts_per_rank_step_are_the_schedule_counted(plan: Plan):
+    counts = cluster_counts_per_rank_step(plan, epoch=0)
+    schedule = plan.schedule(0)
+    assert counts.shape == (plan.steps_per_epoch, plan.world_size, plan.num_clusters)
+    assert (counts.sum(axis=2) == plan.micro_batch_size * plan.gradient_accumulation_steps).all()
+    for step in (0, plan.steps_per_epoch - 1):
+        for rank in range(plan.world_size):
+            expected = np.bincount(plan.labels[schedule[step, rank].ravel()], minlength=plan.num_clusters)
+            assert counts[step, rank].tolist() == expected.tolist()
+
+
+def test_coverage_of_stratified_and_cluster_per_rank_schedules(blobs, plan: Plan):
+    stratified = schedule_coverage(plan)
+    assert stratified["steps"] == plan.steps_per_epoch
+    assert stratified["clusters_per_step_min"] == plan.num_clusters  # every cluster in every global step
+    per_rank = make_plan(blobs[0], paper=True)
+    coverage = schedule_coverage(per_rank)
+    assert coverage["clusters_per_rank_step_min"] == coverage["clusters_per_rank_step_mean"] == 1
+
+
+def test_pca_projection_is_deterministic_bounded_and_separates_blobs(blobs, plan: Plan):
+    features, _ = blobs
+    included = np.flatnonzero(plan.labels >= 0)
+    first = pca_projection(features, included, max_points=120, seed=3)
+    second = pca_projection(features, included, max_points=120, seed=3)
+    for a, b in zip(first, second):
+        assert np.array_equal(a, b)
+    rows, coords, explained = first
+    assert len(rows) == 120 and set(rows) <= set(included.tolist())
+    assert coords.shape == (120, 2) and 0.5 < explained.sum() <= 1.0
+    # Three separated blobs: on the two main axes each cluster's points sit closer to their own centre.
+    labels = plan.labels[rows]
+    centres = np.stack([coords[labels == c].mean(axis=0) for c in range(plan.num_clusters)])
+    nearest = np.linalg.norm(coords[:, None] - centres[None], axis=2).argmin(axis=1)
+    assert (nearest == labels).mean() > 0.95
+
+
+def test_cluster_family_counts_and_purity():
+    labels = np.array([0, 0, 0, 1, 1, -1])
+    families = ["a", "a", "b", "b", "b", "c"]
+    names, counts, purity = cluster_family_counts(labels, families, num_clusters=2)
+    assert names == ["a", "b"]  # "c" is only on a left-out sample
+    assert counts.tolist() == [[2, 1], [0, 2]]
+    assert purity == pytest.approx(4 / 5)
+
+
+def image_sources(page: str) -> list[str]:
+    return re.findall(r'<img src="([^"]+)"', page)
+
+
+def test_report_folder_is_self_contained(tmp_path: Path, blobs, plan: Plan):
+    features, families = blobs
+    index = write_report(tmp_path / "report", plan, features=features, families=families, title="t <&>")
+    page = index.read_text()
+    sources = image_sources(page)
+    assert len(sources) == 5, sources  # sizes, weights, heat map, projection, families
+    for source in sources:
+        assert "/" not in source and (index.parent / source).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "<script" not in page and "http" not in page
+    assert "t &lt;&amp;&gt;" in page  # text is escaped
+    _, _, purity = cluster_family_counts(plan.labels, families, plan.num_clusters)
+    assert purity > 0.95 and f"Purity {purity:.3f}" in page  # blobs are families, bar a stray and the cap
+
+
+def test_report_without_features_or_families_says_so(tmp_path: Path, plan: Plan):
+    page = write_report(tmp_path, plan).read_text()
+    assert len(image_sources(page)) == 3
+    assert "no projection" in page and "no cluster-versus-family table" in page
+
+
+# --------------------------------------------------------------------------- a real browser
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--enable-logging=stderr", "--v=0", "--virtual-time-budget=10000"]
+# Written into a copy of the page (the report itself has no script): collects load errors from the
+# start, and on load writes every image's naturalWidth into the DOM for --dump-dom to show.
+PROBE_SCRIPT = """<script>
+window.__errors = [];
+window.addEventListener("error", function (e) {
+  window.__errors.push(String((e.target && e.target.src) || e.message));
+}, true);
+window.addEventListener("load", function () {
+  var probe = document.createElement("pre");
+  probe.id = "probe";
+  probe.textContent = JSON.stringify({errors: window.__errors, images: Array.prototype.map.call(
+    document.images, function (img) { return [img.getAttribute("src"), img.naturalWidth]; })});
+  document.body.appendChild(probe);
+});
+</script>"""
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's chromium, installed with apt-get when missing (root only); skip when it cannot be had."""
+    found = shutil.which("chromium")
+    if found:
+        return found
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        pytest.skip("chromium is not installed and apt-get is unavailable (or not root) to install it")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    try:
+        subprocess.run(["apt-get", "update", "-qq"], check=True, capture_output=True, timeout=300, env=env)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"], check=True,
+                       capture_output=True, timeout=600, env=env)
+    except (subprocess.SubprocessError, OSError) as err:
+        pytest.skip(f"chromium could not be installed with apt-get: {err}")
+    found = shutil.which("chromium")
+    if not found:
+        pytest.skip("apt-get ran but no chromium on PATH")
+    return found
+
+
+def run_chromium(chromium: str, profile: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def console_messages(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if ":CONSOLE" in line]
+
+
+@pytest.mark.browser
+def test_report_renders_in_headless_chromium(chromium: str, tmp_path: Path, blobs, plan: Plan):
+    features, families = blobs
+    index = write_report(tmp_path / "report", plan, features=features, families=families)
+    page = index.read_text()
+    probe = index.parent / "probe.html"
+    probe.write_text(page.replace("<head>", "<head>\n" + PROBE_SCRIPT, 1))
+
+    dumped = run_chromium(chromium, tmp_path / "profile", "--dump-dom", probe.as_uri())
+    assert dumped.returncode == 0, dumped.stderr[-3000:]
+    match = re.search(r'<pre id="probe">(.*?)</pre>', dumped.stdout, re.S)
+    assert match, f"the probe did not run: {dumped.stdout[-2000:]}"
+    result = json.loads(html.unescape(match.group(1)))
+    assert result["errors"] == []
+    assert sorted(src for src, _ in result["images"]) == sorted(image_sources(page))
+    assert all(width > 0 for _, width in result["images"]), result["images"]
+    assert console_messages(dumped.stderr) == []
+
+    screenshot = tmp_path / "screenshot.png"
+    shot = run_chromium(chromium, tmp_path / "profile", "--window-size=1200,2400", f"--screenshot={screenshot}",
+                        index.as_uri())
+    assert shot.returncode == 0, shot.stderr[-3000:]
+    assert console_messages(shot.stderr) == []
+    header = screenshot.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(header[16:20], "big") == 1200  # PNG width from the IHDR chunk

@@ -1,0 +1,85 @@
+"""A ClusterTrainer run under the deepspeed launcher that records every micro-batch it trains on.
+
+Run by tests/test_hf_trainer.py (2 ranks, CPU). Each rank appends
+{"step", "indices", "loss"} per micro-batch to OUT/trace/rank<R>.jsonl, from
+inside compute_loss, i.e. what the model really saw after Trainer's and
+Accelerate's own data handling.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from transformers import TrainingArguments  # noqa: E402
+
+from ds_cluster import distributed  # noqa: E402
+from ds_cluster.config import load_ds_config  # noqa: E402
+from ds_cluster.data.instructions import load_instruction_dataset  # noqa: E402
+from ds_cluster.hf import ClusterTrainer  # noqa: E402
+from ds_cluster.models import load_model_and_tokenizer  # noqa: E402
+
+
+class TracingClusterTrainer(ClusterTrainer):
+    """ClusterTrainer that writes each micro-batch's sample indices and loss to a per-rank JSONL."""
+
+    trace_path: Path
+
+    def compute_loss(self, model, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+        value = loss[0] if return_outputs else loss
+        record = {"step": self.state.global_step, "indices": inputs["sample_index"].tolist(),
+                  "loss": float(value.detach().float())}
+        with open(self.trace_path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        return loss
+
+
+def training_arguments(config_path: str, out: Path, max_steps: int, save_steps: int) -> TrainingArguments:
+    """TrainingArguments that agree with the DeepSpeed config (Trainer rejects any mismatch)."""
+    config, _ = load_ds_config(config_path)
+    optimizer = config["optimizer"]["params"]
+    return TrainingArguments(
+        output_dir=str(out), deepspeed=config_path, max_steps=max_steps, save_strategy="steps",
+        save_steps=save_steps, per_device_train_batch_size=config["train_micro_batch_size_per_gpu"],
+        gradient_accumulation_steps=config["gradient_accumulation_steps"], learning_rate=optimizer["lr"],
+        adam_beta1=optimizer["betas"][0], adam_beta2=optimizer["betas"][1], adam_epsilon=optimizer["eps"],
+        weight_decay=optimizer["weight_decay"], max_grad_norm=config["gradient_clipping"],
+        lr_scheduler_type="constant", logging_steps=1000, report_to=[], disable_tqdm=True, seed=0,
+        save_only_model=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--deepspeed", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--save-steps", type=int, required=True)
+    parser.add_argument("--resume", default=None, help="checkpoint folder to resume from")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    out = Path(args.out)
+    # TrainingArguments first: it starts the process group and, under ZeRO-3, makes the model build partitioned.
+    training_args = training_arguments(args.deepspeed, out, args.max_steps, args.save_steps)
+    model, tokenizer = load_model_and_tokenizer("tiny", seed=0)
+    dataset = load_instruction_dataset(args.data, tokenizer, max_length=64)
+    trainer = TracingClusterTrainer(model=model, args=training_args, train_dataset=dataset)
+    (out / "trace").mkdir(parents=True, exist_ok=True)
+    # The process group's rank: Accelerate counts one process for DeepSpeed on CPU.
+    rank = distributed.get_rank()
+    trainer.trace_path = out / "trace" / f"rank{rank}.jsonl"
+    trainer.train(resume_from_checkpoint=args.resume)
+    if rank == 0:
+        (out / "plan_fingerprint.txt").write_text(trainer.plan.fingerprint())
+    del trainer
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
