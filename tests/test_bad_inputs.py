@@ -23,7 +23,7 @@ from ds_cluster.config import ClusterSamplingConfig, load_ds_config
 from ds_cluster.integrations.deepspeed import _initialize, check_batch_arithmetic, check_no_curriculum, load_plan_inputs
 from ds_cluster.plan import build_plan
 from tests.launching import BIN, REPO, job_env, run_deepspeed
-from tests.test_hook import small_job, train_args  # noqa: F401  (small_job is a fixture used here)
+from tests.training import train_args
 
 # An analysis for 40 samples: 4 well-separated groups of 10 in 3 dimensions.
 NUM_SAMPLES = 40

@@ -12,7 +12,6 @@ import pytest
 from ds_cluster.cli import main, resolve_batch_shape
 from ds_cluster.plan import Plan
 from tests.launching import REPO, check, job_env
-from tests.test_hook import small_job  # noqa: F401  (a fixture: 485 records and a hand-made analysis)
 
 CONFIG = REPO / "ds_configs" / "zero2.json"
 

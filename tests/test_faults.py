@@ -22,7 +22,7 @@ from ds_cluster.data.tasks import read_jsonl, write_jsonl
 from ds_cluster.plan import Plan
 from tests.launching import BIN, REPO, check, run_deepspeed
 from tests.test_bad_inputs import assert_failed_on_every_rank, snapshot
-from tests.test_hook import read_trace, small_job, train_args  # noqa: F401  (small_job is a fixture used here)
+from tests.training import read_trace, train_args
 from tests.workers.fault_worker import KILL_AFTER_STEP_VAR, RANK_ARGS_VAR
 
 WORKER = str(REPO / "tests" / "workers" / "fault_worker.py")

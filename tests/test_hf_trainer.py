@@ -10,7 +10,7 @@ from ds_cluster import ClusterSamplingConfig, Plan, build_plan
 from ds_cluster.hf import SAMPLER_STATE_FILE
 from ds_cluster.integrations.deepspeed import load_plan_inputs
 from tests.launching import REPO, check, run_deepspeed
-from tests.test_hook import read_trace, small_job  # noqa: F401  (small_job is a fixture used below)
+from tests.training import read_trace
 
 WORKER = REPO / "tests" / "workers" / "hf_trainer_worker.py"
 WORLD = 2

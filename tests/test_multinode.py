@@ -21,7 +21,7 @@ import pytest
 from ds_cluster.data.tasks import read_jsonl, write_jsonl
 from tests.launching import BIN, REPO, check, job_env
 from tests.multinode import TwoHosts, cannot_make_hosts, make_two_hosts
-from tests.test_hook import assert_run_follows_plan, read_trace, small_job, train_args  # noqa: F401 (fixture)
+from tests.training import assert_run_follows_plan, read_trace, train_args
 
 pytestmark = [pytest.mark.multinode, pytest.mark.integration]
 
