@@ -16,6 +16,8 @@ from typing import Literal
 
 import numpy as np
 
+from ds_cluster.selection import stable_label_order
+
 AllocationMode = Literal["stratified", "cluster_per_rank"]
 
 
@@ -114,7 +116,7 @@ def epoch_schedule(
 def cluster_members(selected: np.ndarray, selected_labels: np.ndarray, num_clusters: int) -> list[np.ndarray]:
     """The kept indices of each cluster, in index order."""
     selected = np.asarray(selected, dtype=np.int64)
-    order = np.argsort(np.asarray(selected_labels, dtype=np.int64), kind="stable")
+    order = stable_label_order(selected_labels)
     bounds = np.searchsorted(np.asarray(selected_labels)[order], np.arange(num_clusters + 1))
     return [selected[order[bounds[c]:bounds[c + 1]]] for c in range(num_clusters)]
 

@@ -270,7 +270,8 @@ def build_plan(
     # Avoid copying (N, d) features when nothing is left out.
     included_points = None if points is None else (points if kept_rows.size == num_samples else points[kept_rows])
     if labels is not None:
-        compact, num_clusters = _compact_labels(np.asarray(labels, dtype=np.int64)[kept_rows])
+        label_array = np.asarray(labels, dtype=np.int64)
+        compact, num_clusters = _compact_labels(label_array if kept_rows.size == num_samples else label_array[kept_rows])
         clusters = cluster_from_labels(included_points, compact, num_clusters)
     else:
         num_clusters = config.resolved_num_clusters(world_size)
