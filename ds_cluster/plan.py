@@ -128,7 +128,12 @@ class Plan:
             digest.update(name.encode())
             digest.update(str(array.dtype).encode())
             digest.update(array.tobytes())
-        header = {
+        digest.update(json.dumps(self._scalars(), sort_keys=True, default=str).encode())
+        return digest.hexdigest()[:16]
+
+    def _scalars(self) -> dict[str, Any]:
+        """The non-array fields: what plan.json holds beside the arrays, and what the fingerprint hashes."""
+        return {
             "world_size": self.world_size,
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
@@ -136,8 +141,6 @@ class Plan:
             "seed": self.seed,
             "settings": self.settings,
         }
-        digest.update(json.dumps(header, sort_keys=True, default=str).encode())
-        return digest.hexdigest()[:16]
 
     # ------------------------------------------------------------ save/load
     def save(self, directory: Union[str, os.PathLike]) -> Path:
@@ -148,16 +151,7 @@ class Plan:
         try:
             for name in _ARRAYS:
                 np.save(staging / f"{name}.npy", getattr(self, name))
-            meta = {
-                "format": PLAN_FORMAT,
-                "world_size": self.world_size,
-                "micro_batch_size": self.micro_batch_size,
-                "gradient_accumulation_steps": self.gradient_accumulation_steps,
-                "allocation": self.allocation,
-                "seed": self.seed,
-                "settings": self.settings,
-                "fingerprint": self.fingerprint(),
-            }
+            meta = {"format": PLAN_FORMAT, **self._scalars(), "fingerprint": self.fingerprint()}
             (staging / "plan.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
             # The old plan is moved aside, not deleted, until the new one is in place: a crash in
             # between leaves a complete plan (old or new) plus a hidden leftover, never none.
