@@ -109,6 +109,34 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     import deepspeed
 
     deepspeed.init_distributed(auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s))
+    release_shared_memory_buffer()
+
+
+def shared_memory_buffer_path(rank: int) -> str:
+    """Where DeepSpeed's CPU shm all-reduce keeps a rank's buffer (named by uid, master address and port)."""
+    return (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
+def release_shared_memory_buffer() -> None:
+    """Unlink this rank's DeepSpeed shm all-reduce buffer name once every rank has mapped it.
+
+    DeepSpeed's CPU shared-memory all-reduce (ranks on one node) creates a
+    /dev/shm file of about 66 MB per rank and never unlinks it, so every job
+    leaks it until /dev/shm (RAM) is full. Each rank maps its peers' buffers
+    while the process group starts, so after a barrier the names can go; the
+    mappings stay valid until the processes exit, even if they are killed.
+    """
+    import torch.distributed as dist
+
+    if not is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    try:
+        os.unlink(shared_memory_buffer_path(dist.get_rank()))
+    except FileNotFoundError:
+        pass
 
 
 def _free_port() -> int:

@@ -144,6 +144,7 @@ def _initialize(original, *args: Any, **kwargs: Any):
                                 "training data (number of samples, content fingerprint)")
 
     engine, optimizer, _, lr_scheduler = original(*args, **kwargs)
+    distributed.release_shared_memory_buffer()  # in case the process group was started by DeepSpeed itself
     rank = _data_parallel_rank(engine)
     error, plan = None, None
     try:

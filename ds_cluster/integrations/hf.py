@@ -120,6 +120,7 @@ class ClusterTrainer(Trainer):
         Rank and world size come from torch.distributed, not from `args.process_index`/`world_size`:
         Accelerate reports one process for DeepSpeed on CPU although DeepSpeed trains on all of them.
         """
+        distributed.release_shared_memory_buffer()  # DeepSpeed's CPU shm buffer would leak in /dev/shm
         world_size = distributed.get_world_size()
         micro = self._train_batch_size
         accumulation = self.args.gradient_accumulation_steps
