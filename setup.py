@@ -3,17 +3,21 @@ from setuptools import find_packages, setup
 
 setup(
     name="ds_cluster",
-    version="0.1.0",
+    version="0.2.0",
     description="CluSTER cluster-aware balanced sampling as a DeepSpeed data-efficiency hook",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["ds_cluster", "ds_cluster.*"]),
-    package_data={"ds_cluster": ["data/default/*.jsonl", "data/default/*.json"]},
+    package_data={"ds_cluster": ["toy/data/default/*.jsonl", "toy/data/default/*.md", "toy/base_model/*"]},
     install_requires=[
         # torch is installed first by launch/setup_env.sh, pinned to the CPU build on disk.
         "torch>=2.4",
-        "deepspeed>=0.19.5,<0.20",
+        # Tested with >=0.19.5,<0.20; a newer DeepSpeed gets a warning from install(), not an error.
+        "deepspeed>=0.19.5",
+        "hjson>=3.0",
+        "packaging>=23",
+        "psutil>=5.9",
         "transformers>=4.45,<6",
         "datasets>=3.0",
         "scikit-learn>=1.4",

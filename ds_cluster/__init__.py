@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _PUBLIC = {
     "ClusterSamplingConfig": "ds_cluster.config",
@@ -20,6 +20,9 @@ _PUBLIC = {
     "uninstall": "ds_cluster.integrations.deepspeed",
     "initialize": "ds_cluster.integrations.deepspeed",
     "extract_features": "ds_cluster.features.extract",
+    "analyze": "ds_cluster.analysis",
+    "AnalysisDir": "ds_cluster.analysis_dir",
+    "ClusterTrainer": "ds_cluster.integrations.hf",
 }
 
 __all__ = sorted(_PUBLIC) + ["__version__"]
@@ -28,6 +31,4 @@ __all__ = sorted(_PUBLIC) + ["__version__"]
 def __getattr__(name: str) -> Any:
     if name in _PUBLIC:
         return getattr(importlib.import_module(_PUBLIC[name]), name)
-    if name == "hf":
-        return importlib.import_module("ds_cluster.integrations.hf")
     raise AttributeError(f"module 'ds_cluster' has no attribute {name!r}")

@@ -1,6 +1,8 @@
 """Stage 4: place the kept samples over optimizer steps x ranks x micro-steps.
 
-Pure numpy. Two modes:
+Pure numpy. An allocation strategy is an object with one interface
+(`Allocation`); `allocation_strategy(name)` returns the one a config names:
+
 - "stratified": every global batch (B = world x micro x gas samples) holds
   each cluster c within one of B * s_c / S, spread over ranks and
   micro-steps; floor(S / B) full batches per epoch, the rest of that epoch's
@@ -8,17 +10,123 @@ Pure numpy. Two modes:
 - "cluster_per_rank" (the paper, K = world size): rank r trains cluster r
   only; every cluster keeps the same count, so every rank runs the same
   number of micro-steps.
+
 Clusters are shuffled inside themselves every epoch from (seed, epoch).
 """
 from __future__ import annotations
 
-from typing import Literal
+from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import numpy as np
 
+from ds_cluster.batching import BatchShape
 from ds_cluster.selection import stable_label_order
 
-AllocationMode = Literal["stratified", "cluster_per_rank"]
+
+class Allocation(ABC):
+    """How one epoch's kept samples are laid out as (steps, world, accumulation, micro) indices."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def check(self, kept_sizes: np.ndarray, shape: BatchShape) -> None:
+        """Raise ValueError (saying what to change) when the strategy cannot lay these clusters out."""
+
+    @abstractmethod
+    def quotas(self, kept_sizes: np.ndarray, shape: BatchShape) -> np.ndarray:
+        """Samples of each cluster in each global batch: int64 (steps, K); the same every epoch."""
+
+    @abstractmethod
+    def layout(self, members: list[np.ndarray], quotas: np.ndarray, shape: BatchShape) -> np.ndarray:
+        """One epoch from each cluster's (shuffled) kept indices: int64 (steps, world, accumulation, micro)."""
+
+    @abstractmethod
+    def too_small(self, kept_sizes: np.ndarray, shape: BatchShape) -> str:
+        """Why not even one optimizer step fits (for the error when steps per epoch is 0)."""
+
+    def steps_per_epoch(self, kept_sizes: np.ndarray, shape: BatchShape) -> int:
+        return int(self.quotas(kept_sizes, shape).shape[0])
+
+
+class Stratified(Allocation):
+    """Every global batch holds each cluster in proportion to its kept size, dealt round-robin over ranks."""
+
+    name = "stratified"
+
+    def check(self, kept_sizes: np.ndarray, shape: BatchShape) -> None:
+        return None
+
+    def quotas(self, kept_sizes: np.ndarray, shape: BatchShape) -> np.ndarray:
+        return batch_quotas(kept_sizes, shape.global_batch_size)
+
+    def steps_per_epoch(self, kept_sizes: np.ndarray, shape: BatchShape) -> int:
+        return int(np.asarray(kept_sizes).sum()) // shape.global_batch_size
+
+    def layout(self, members: list[np.ndarray], quotas: np.ndarray, shape: BatchShape) -> np.ndarray:
+        steps, global_batch = quotas.shape[0], shape.global_batch_size
+        batches = np.empty((steps, global_batch), dtype=np.int64)
+        # Inside a batch the clusters sit one after another; offset of cluster c in batch b:
+        offset_in_batch = np.cumsum(quotas, axis=1) - quotas
+        for cluster, group in enumerate(members):
+            counts = quotas[:, cluster]
+            used = int(counts.sum())
+            batch_of = np.repeat(np.arange(steps), counts)
+            start_of_batch = np.cumsum(counts) - counts
+            position = np.arange(used) - np.repeat(start_of_batch, counts) + offset_in_batch[batch_of, cluster]
+            batches[batch_of, position] = group[:used]
+        # Deal each batch out round-robin: slot p goes to rank p % W, so every rank
+        # and micro-step gets a near-even share of every cluster.
+        return np.ascontiguousarray(
+            batches.reshape(steps, shape.micro_batch_size, shape.gradient_accumulation_steps, shape.world_size)
+            .transpose(0, 3, 2, 1))
+
+    def too_small(self, kept_sizes: np.ndarray, shape: BatchShape) -> str:
+        return (f"one global batch ({shape.global_batch_size} samples = world {shape.world_size} x micro "
+                f"{shape.micro_batch_size} x gas {shape.gradient_accumulation_steps})")
+
+
+class ClusterPerRank(Allocation):
+    """The paper's layout: rank r trains cluster r only, every cluster keeping the same count."""
+
+    name = "cluster_per_rank"
+
+    def check(self, kept_sizes: np.ndarray, shape: BatchShape) -> None:
+        if len(kept_sizes) != shape.world_size:
+            raise ValueError(
+                f"allocation 'cluster_per_rank' trains cluster r on rank r, so num_clusters must equal the world "
+                f"size: K={len(kept_sizes)}, W={shape.world_size}; set num_clusters 'auto' or allocation 'stratified'")
+        if len(set(np.asarray(kept_sizes).tolist())) != 1:
+            raise ValueError(
+                f"allocation 'cluster_per_rank' needs the same kept count in every cluster, got "
+                f"{np.asarray(kept_sizes).tolist()}; use budget_mode 'min' (the paper's) or allocation 'stratified'")
+
+    def quotas(self, kept_sizes: np.ndarray, shape: BatchShape) -> np.ndarray:
+        steps = int(np.asarray(kept_sizes).min()) // shape.per_rank
+        return np.full((steps, len(kept_sizes)), shape.per_rank, dtype=np.int64)
+
+    def layout(self, members: list[np.ndarray], quotas: np.ndarray, shape: BatchShape) -> np.ndarray:
+        steps = quotas.shape[0]
+        by_rank = np.stack([group[:steps * shape.per_rank] for group in members])  # (W, steps * per_rank)
+        return np.ascontiguousarray(
+            by_rank.reshape(shape.world_size, steps, shape.gradient_accumulation_steps, shape.micro_batch_size)
+            .transpose(1, 0, 2, 3))
+
+    def too_small(self, kept_sizes: np.ndarray, shape: BatchShape) -> str:
+        return (f"one global batch per rank (cluster_per_rank: {shape.per_rank} samples = micro "
+                f"{shape.micro_batch_size} x gas {shape.gradient_accumulation_steps} on each of the "
+                f"{shape.world_size} ranks)")
+
+
+ALLOCATIONS: dict[str, Allocation] = {strategy.name: strategy for strategy in (Stratified(), ClusterPerRank())}
+
+
+def allocation_strategy(name: str) -> Allocation:
+    """The strategy a config's `allocation` names."""
+    try:
+        return ALLOCATIONS[name]
+    except KeyError:
+        raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}; got {name!r}") from None
 
 
 def batch_quotas(kept_sizes: np.ndarray, global_batch: int) -> np.ndarray:
@@ -53,66 +161,6 @@ def batch_quotas(kept_sizes: np.ndarray, global_batch: int) -> np.ndarray:
     return quotas
 
 
-def epoch_schedule(
-    selected: np.ndarray,
-    selected_labels: np.ndarray,
-    num_clusters: int,
-    *,
-    world_size: int,
-    micro_batch_size: int,
-    gradient_accumulation_steps: int,
-    mode: AllocationMode,
-    seed: int,
-    epoch: int,
-    quotas: np.ndarray | None = None,
-    members: list[np.ndarray] | None = None,
-) -> np.ndarray:
-    """Sample indices for one epoch: int64 (steps, world, gas, micro).
-
-    `members` (each cluster's kept indices, from `cluster_members`) may be
-    passed in to save a sort per epoch.
-    """
-    check_batch_shape(world_size, micro_batch_size, gradient_accumulation_steps)
-    if members is None:
-        members = cluster_members(selected, selected_labels, num_clusters)
-    rng = np.random.default_rng([seed, epoch, 0xA110C])
-    members = [group[rng.permutation(group.size)] for group in members]  # this epoch's order
-    per_rank = micro_batch_size * gradient_accumulation_steps
-    if mode == "cluster_per_rank":
-        if num_clusters != world_size:
-            raise ValueError(
-                f"allocation 'cluster_per_rank' needs num_clusters == world size, got K={num_clusters}, "
-                f"W={world_size}; use num_clusters 'auto' or allocation 'stratified'"
-            )
-        steps = min(len(m) for m in members) // per_rank
-        by_rank = np.stack([m[:steps * per_rank] for m in members])  # (W, steps*per_rank)
-        return np.ascontiguousarray(
-            by_rank.reshape(world_size, steps, gradient_accumulation_steps, micro_batch_size).transpose(1, 0, 2, 3)
-        )
-    if mode != "stratified":
-        raise ValueError(f"allocation must be 'stratified' or 'cluster_per_rank', got {mode!r}")
-    global_batch = world_size * per_rank
-    kept_sizes = np.array([len(m) for m in members], dtype=np.int64)
-    if quotas is None:
-        quotas = batch_quotas(kept_sizes, global_batch)
-    steps = quotas.shape[0]
-    batches = np.empty((steps, global_batch), dtype=np.int64)
-    # Inside a batch the clusters sit one after another; offset of cluster c in batch b:
-    offset_in_batch = np.cumsum(quotas, axis=1) - quotas
-    for cluster in range(num_clusters):
-        counts = quotas[:, cluster]
-        used = int(counts.sum())
-        batch_of = np.repeat(np.arange(steps), counts)
-        start_of_batch = np.cumsum(counts) - counts
-        position = np.arange(used) - np.repeat(start_of_batch, counts) + offset_in_batch[batch_of, cluster]
-        batches[batch_of, position] = members[cluster][:used]
-    # Deal each batch out round-robin: slot p goes to rank p % W, so every rank
-    # and micro-step gets a near-even share of every cluster.
-    return np.ascontiguousarray(
-        batches.reshape(steps, micro_batch_size, gradient_accumulation_steps, world_size).transpose(0, 3, 2, 1)
-    )
-
-
 def cluster_members(selected: np.ndarray, selected_labels: np.ndarray, num_clusters: int) -> list[np.ndarray]:
     """The kept indices of each cluster, in index order."""
     selected = np.asarray(selected, dtype=np.int64)
@@ -121,8 +169,13 @@ def cluster_members(selected: np.ndarray, selected_labels: np.ndarray, num_clust
     return [selected[order[bounds[c]:bounds[c + 1]]] for c in range(num_clusters)]
 
 
-def check_batch_shape(world_size: int, micro_batch_size: int, gradient_accumulation_steps: int) -> None:
-    for name, value in (("world_size", world_size), ("micro_batch_size", micro_batch_size),
-                        ("gradient_accumulation_steps", gradient_accumulation_steps)):
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+def epoch_schedule(members: list[np.ndarray], strategy: Allocation, shape: BatchShape, *, seed: int, epoch: int,
+                   quotas: np.ndarray) -> np.ndarray:
+    """Sample indices of one epoch: int64 (steps, world, accumulation, micro).
+
+    `members` are each cluster's kept indices (`cluster_members`); they are
+    shuffled inside each cluster from (seed, epoch), then laid out.
+    """
+    rng = np.random.default_rng([seed, epoch, 0xA110C])
+    shuffled = [group[rng.permutation(group.size)] for group in members]
+    return strategy.layout(shuffled, quotas, shape)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import numpy as np
 
@@ -195,6 +195,26 @@ def capped_assignment(
     logger.info("capacity cap %d moved %d samples off their nearest centre", capacity,
                 int((labels != nearest[:, 0]).sum()))
     return labels.astype(np.int64)
+
+
+def category_counts(labels: np.ndarray, categories: Sequence[str], num_clusters: int
+                    ) -> tuple[list[str], np.ndarray]:
+    """Per cluster, how many samples of each category (a task family, say): (names, counts (K, F)).
+
+    Samples with label -1 (left out of clustering) are not counted.
+    """
+    labels = np.asarray(labels, dtype=np.int64)
+    taking_part = labels >= 0
+    names, columns = np.unique(np.asarray(categories, dtype=object)[taking_part].astype(str), return_inverse=True)
+    counts = np.zeros((num_clusters, len(names)), dtype=np.int64)
+    np.add.at(counts, (labels[taking_part], columns), 1)
+    return names.tolist(), counts
+
+
+def purity(counts: np.ndarray) -> float:
+    """(1/n) sum_c max_f |c and f| from `category_counts`: 1.0 when every cluster holds one category."""
+    total = int(counts.sum())
+    return float(counts.max(axis=1).sum() / total) if total and counts.shape[1] else 0.0
 
 
 def _kmeans_sklearn(points: np.ndarray, num_clusters: int, n_init: int, max_iter: int, seed: int) -> np.ndarray:

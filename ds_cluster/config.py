@@ -6,15 +6,13 @@ unknown keys there, so the same file drives both DeepSpeed and ds_cluster.
 from __future__ import annotations
 
 import difflib
-import json
-import os
 from typing import Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-BLOCK_PATH = ("data_efficiency", "data_sampling", "cluster_sampling")
+from ds_cluster.ds_config import BLOCK_PATH, ConfigSource, cluster_block, read_ds_config
 
-# What the reference implementation does (DESIGN.md, "Paper preset").
+# What the reference implementation does (docs/design.md, "The paper preset").
 PAPER_PRESET: dict[str, Any] = {
     "num_clusters": "auto",
     "budget_mode": "min",
@@ -29,7 +27,7 @@ PAPER_PRESET: dict[str, Any] = {
 
 
 class ClusterSamplingConfig(BaseModel):
-    """Settings of cluster-balanced sampling; see the README's table of keys."""
+    """Settings of cluster-balanced sampling; docs/configuration.md describes every key."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
@@ -88,32 +86,13 @@ class ClusterSamplingConfig(BaseModel):
             raise ValueError(_validation_message(err, source)) from None
 
     @classmethod
-    def from_ds_config(cls, ds_config: Union[Mapping[str, Any], str, os.PathLike]) -> "ClusterSamplingConfig":
-        """Read the block from a DeepSpeed config (dict or path); absent block = disabled."""
-        config_dict, source = load_ds_config(ds_config)
-        block: Any = config_dict
-        for key in BLOCK_PATH:
-            if not isinstance(block, Mapping) or key not in block:
-                return cls(enabled=False)
-            block = block[key]
+    def from_ds_config(cls, ds_config: ConfigSource) -> "ClusterSamplingConfig":
+        """Read the block from a DeepSpeed config (dict, JSON/HJSON path); absent block = disabled."""
+        config_dict, source = read_ds_config(ds_config)
+        block = cluster_block(config_dict)
+        if block is None:
+            return cls(enabled=False)
         return cls.from_dict(block, source=f"{source}: {'.'.join(BLOCK_PATH)}")
-
-
-def load_ds_config(ds_config: Union[Mapping[str, Any], str, os.PathLike]) -> tuple[dict, str]:
-    """A DeepSpeed config as a dict, and a name for it in error messages."""
-    if isinstance(ds_config, Mapping):
-        return dict(ds_config), "config"
-    path = os.fspath(ds_config)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"DeepSpeed config file not found: {path}")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            loaded = json.load(handle)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
-    if not isinstance(loaded, dict):
-        raise ValueError(f"{path}: a DeepSpeed config must be a JSON object")
-    return loaded, path
 
 
 def _unknown_keys_message(unknown: list[str], source: str) -> str:

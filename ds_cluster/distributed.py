@@ -4,12 +4,10 @@ This is one of the two ends of the pipeline allowed to touch torch.distributed.
 """
 from __future__ import annotations
 
-import fcntl
 import gc
 import logging
 import os
 import socket
-import struct
 import time
 import uuid
 from datetime import timedelta
@@ -45,13 +43,13 @@ def launched_by_mpi() -> bool:
 
 
 def interface_address(ifname: str) -> Optional[str]:
-    """IPv4 address of a network interface (SIOCGIFADDR), or None."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
-        return socket.inet_ntoa(packed[20:24])
-    except OSError:
-        return None
+    """IPv4 address of a network interface, or None."""
+    import psutil
+
+    for address in psutil.net_if_addrs().get(ifname, []):
+        if address.family == socket.AF_INET:
+            return address.address
+    return None
 
 
 def _own_address() -> str:
@@ -105,7 +103,7 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
 
     deepspeed.init_distributed(auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s))
@@ -139,7 +137,8 @@ def release_shared_memory_buffer() -> None:
         pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback right now (for MASTER_PORT of a job on this machine)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from ds_cluster.dataset import IGNORE_INDEX
 
 
 def per_sample_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -12,16 +12,17 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
 
-from ds_cluster.allocation import batch_quotas, check_batch_shape, cluster_members, epoch_schedule
+from ds_cluster.allocation import Allocation, allocation_strategy, cluster_members, epoch_schedule
+from ds_cluster.batching import BatchShape
 from ds_cluster.clustering import ClusterResult, cluster_features, cluster_from_labels, validate_features
 from ds_cluster.config import ClusterSamplingConfig
+from ds_cluster.fileio import replace_dir, staging_dir, write_json_atomic, write_npy_atomic
 from ds_cluster.selection import cluster_budgets, cluster_spreads, sample_weights, select_in_clusters
 
 logger = logging.getLogger(__name__)
@@ -69,14 +70,20 @@ class Plan:
         return int(self.selected.shape[0])
 
     @property
+    def batch_shape(self) -> BatchShape:
+        return BatchShape(self.world_size, self.micro_batch_size, self.gradient_accumulation_steps)
+
+    @property
+    def strategy(self) -> Allocation:
+        return allocation_strategy(self.allocation)
+
+    @property
     def global_batch_size(self) -> int:
-        return self.world_size * self.micro_batch_size * self.gradient_accumulation_steps
+        return self.batch_shape.global_batch_size
 
     @property
     def steps_per_epoch(self) -> int:
-        if self.allocation == "cluster_per_rank":
-            return int(self.kept_sizes.min()) // (self.micro_batch_size * self.gradient_accumulation_steps)
-        return self.num_kept // self.global_batch_size
+        return self.strategy.steps_per_epoch(self.kept_sizes, self.batch_shape)
 
     @property
     def selected_labels(self) -> np.ndarray:
@@ -86,33 +93,15 @@ class Plan:
     def quotas(self) -> np.ndarray:
         """Per global batch, how many samples of each cluster (steps, K); the same every epoch."""
         if self._quotas is None:
-            if self.allocation == "cluster_per_rank":
-                per_rank = self.micro_batch_size * self.gradient_accumulation_steps
-                self._quotas = np.full((self.steps_per_epoch, self.num_clusters), per_rank, dtype=np.int64)
-            else:
-                self._quotas = batch_quotas(self.kept_sizes, self.global_batch_size)
+            self._quotas = self.strategy.quotas(self.kept_sizes, self.batch_shape)
         return self._quotas
 
     def schedule(self, epoch: int) -> np.ndarray:
         """Sample indices of one epoch: int64 (steps, world_size, gradient_accumulation_steps, micro_batch_size)."""
-        return epoch_schedule(
-            self.selected,
-            self.selected_labels,
-            self.num_clusters,
-            world_size=self.world_size,
-            micro_batch_size=self.micro_batch_size,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
-            mode=self.allocation,  # type: ignore[arg-type]
-            seed=self.seed,
-            epoch=epoch,
-            quotas=None if self.allocation == "cluster_per_rank" else self.quotas(),
-            members=self._cluster_members(),
-        )
-
-    def _cluster_members(self) -> list:
         if self._members is None:
             self._members = cluster_members(self.selected, self.selected_labels, self.num_clusters)
-        return self._members
+        return epoch_schedule(self._members, self.strategy, self.batch_shape, seed=self.seed, epoch=epoch,
+                              quotas=self.quotas())
 
     # ---------------------------------------------------------- fingerprint
     def fingerprint(self) -> str:
@@ -144,32 +133,17 @@ class Plan:
 
     # ------------------------------------------------------------ save/load
     def save(self, directory: Union[str, os.PathLike]) -> Path:
-        """Write the plan to a folder atomically (a temporary sibling, then rename)."""
+        """Write the plan to a folder atomically: built in a hidden sibling, then swapped in."""
         target = Path(directory)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        staging = staging_dir(target)
         try:
             for name in _ARRAYS:
-                np.save(staging / f"{name}.npy", getattr(self, name))
-            meta = {"format": PLAN_FORMAT, **self._scalars(), "fingerprint": self.fingerprint()}
-            (staging / "plan.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
-            # The old plan is moved aside, not deleted, until the new one is in place: a crash in
-            # between leaves a complete plan (old or new) plus a hidden leftover, never none.
-            backup = None
-            if target.exists():
-                backup = target.parent / f".{target.name}.old-{staging.name.rsplit('.', 1)[-1]}"
-                os.replace(target, backup)
-            try:
-                os.replace(staging, target)
-            except BaseException:
-                if backup is not None:
-                    os.replace(backup, target)
-                raise
-            if backup is not None:
-                shutil.rmtree(backup, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+                write_npy_atomic(staging / f"{name}.npy", getattr(self, name))
+            write_json_atomic(staging / "plan.json", {"format": PLAN_FORMAT, **self._scalars(),
+                                                      "fingerprint": self.fingerprint()})
+            replace_dir(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # gone already when the swap succeeded
         return target
 
     @classmethod
@@ -250,40 +224,11 @@ def build_plan(
     k-means. exclude: (N,) bool, samples never trained on (e.g. no response
     tokens); they get label -1 and weight 0.
     """
-    check_batch_shape(world_size, micro_batch_size, gradient_accumulation_steps)
+    shape = BatchShape(world_size, micro_batch_size, gradient_accumulation_steps)
+    strategy = allocation_strategy(config.allocation)
     num_samples, points = _check_inputs(features, labels, exclude)
-    included = np.ones(num_samples, dtype=bool)
-    if exclude is not None:
-        included &= ~np.asarray(exclude, dtype=bool)
-    if labels is not None:
-        included &= np.asarray(labels) >= 0
-    kept_rows = np.flatnonzero(included)
-    if kept_rows.size == 0:
-        raise ValueError("every sample is excluded (no features or label -1): there is nothing to train on")
-
-    # Avoid copying (N, d) features when nothing is left out.
-    included_points = None if points is None else (points if kept_rows.size == num_samples else points[kept_rows])
-    if labels is not None:
-        label_array = np.asarray(labels, dtype=np.int64)
-        compact, num_clusters = _compact_labels(label_array if kept_rows.size == num_samples else label_array[kept_rows])
-        clusters = cluster_from_labels(included_points, compact, num_clusters)
-    else:
-        num_clusters = config.resolved_num_clusters(world_size)
-        clusters = cluster_features(
-            included_points,
-            num_clusters=num_clusters,
-            n_init=config.kmeans_n_init,
-            max_iter=config.kmeans_max_iter,
-            capacity_factor=config.capacity_factor,
-            capacity_neighbors=config.capacity_neighbors,
-            backend=config.backend,
-            seed=config.seed,
-        )
-    if config.allocation == "cluster_per_rank" and num_clusters != world_size:
-        raise ValueError(
-            f"allocation 'cluster_per_rank' trains cluster r on rank r, so num_clusters must equal the world size: "
-            f"K={num_clusters}, W={world_size}; set num_clusters 'auto' or allocation 'stratified'"
-        )
+    clusters, kept_rows = _clusters(points, labels, exclude, num_samples, config, world_size)
+    num_clusters = clusters.num_clusters
     full_labels, distances = _spread_to_all(clusters, kept_rows, num_samples)
     cluster_sizes = np.bincount(clusters.labels, minlength=num_clusters).astype(np.int64)
     has_geometry = points is not None
@@ -291,19 +236,15 @@ def build_plan(
         cluster_sizes, config.budget_mode, config.budget_ratio, config.budget_samples,
         cluster_spreads(clusters.distances, clusters.labels, num_clusters) if has_geometry else None,
     )
-    if config.allocation == "cluster_per_rank" and len(set(kept_sizes.tolist())) != 1:
-        raise ValueError(
-            f"allocation 'cluster_per_rank' needs the same kept count in every cluster, got {kept_sizes.tolist()}; "
-            "use budget_mode 'min' (the paper's) or allocation 'stratified'"
-        )
+    strategy.check(kept_sizes, shape)
     needs_choice = bool((kept_sizes < cluster_sizes).any())
     selection = config.selection if (has_geometry or needs_choice) else "random"
-    norms = np.full(num_samples, np.nan)
+    norms = None
     if has_geometry and selection == "norm":
-        norms[kept_rows] = _row_norms(included_points)
+        norms = np.full(num_samples, np.nan)
+        norms[kept_rows] = _row_norms(points if kept_rows.size == num_samples else points[kept_rows])
     selected = select_in_clusters(full_labels, kept_sizes, selection,  # type: ignore[arg-type]
-                                  distances=distances if has_geometry else None,
-                                  norms=norms if has_geometry else None, seed=config.seed)
+                                  distances=distances if has_geometry else None, norms=norms, seed=config.seed)
     weights = sample_weights(full_labels, selected, cluster_sizes, kept_sizes, config.weighting)
 
     plan = Plan(
@@ -322,17 +263,38 @@ def build_plan(
         settings=config.model_dump(exclude={"enabled", "analysis_path", "preset"}),
     )
     if plan.steps_per_epoch < 1:
-        per = "per rank (cluster_per_rank)" if config.allocation == "cluster_per_rank" else ""
-        need = (micro_batch_size * gradient_accumulation_steps if config.allocation == "cluster_per_rank"
-                else plan.global_batch_size)
         raise ValueError(
             f"the kept subset ({plan.num_kept} samples, smallest cluster keeps {int(kept_sizes.min())}) is smaller "
-            f"than one global batch {per} ({need} samples = world {world_size} x micro {micro_batch_size} x "
-            f"gas {gradient_accumulation_steps}); raise budget_ratio or lower the batch size"
+            f"than {strategy.too_small(kept_sizes, shape)}; raise budget_ratio or lower the batch size"
         )
     logger.info("plan %s: %d clusters, kept %d of %d, %d steps per epoch", plan.fingerprint(), num_clusters,
                 plan.num_kept, num_samples, plan.steps_per_epoch)
     return plan
+
+
+def _clusters(points: Optional[np.ndarray], labels: Optional[np.ndarray], exclude: Optional[np.ndarray],
+              num_samples: int, config: ClusterSamplingConfig, world_size: int) -> tuple[ClusterResult, np.ndarray]:
+    """The clusters of the samples that take part (k-means, or the given labels), and which rows those are."""
+    included = np.ones(num_samples, dtype=bool)
+    if exclude is not None:
+        included &= ~np.asarray(exclude, dtype=bool)
+    if labels is not None:
+        included &= np.asarray(labels) >= 0
+    kept_rows = np.flatnonzero(included)
+    if kept_rows.size == 0:
+        raise ValueError("every sample is excluded (no features or label -1): there is nothing to train on")
+    everyone = kept_rows.size == num_samples
+    # Avoid copying (N, d) features when nothing is left out.
+    included_points = None if points is None else (points if everyone else points[kept_rows])
+    if labels is not None:
+        label_array = np.asarray(labels, dtype=np.int64)
+        compact, num_clusters = _compact_labels(label_array if everyone else label_array[kept_rows])
+        return cluster_from_labels(included_points, compact, num_clusters), kept_rows
+    clusters = cluster_features(
+        included_points, num_clusters=config.resolved_num_clusters(world_size), n_init=config.kmeans_n_init,
+        max_iter=config.kmeans_max_iter, capacity_factor=config.capacity_factor,
+        capacity_neighbors=config.capacity_neighbors, backend=config.backend, seed=config.seed)
+    return clusters, kept_rows
 
 
 def _check_inputs(features: Optional[np.ndarray], labels: Optional[np.ndarray],

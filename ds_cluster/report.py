@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from ds_cluster.clustering import category_counts, purity
 from ds_cluster.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -132,44 +133,32 @@ def format_coverage(coverage: dict[str, Any], num_clusters: int) -> str:
 # --------------------------------------------------------------------------- projections and families
 def pca_projection(features: np.ndarray, rows: np.ndarray, max_points: int = 4000,
                    seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """2-D PCA (numpy SVD) of a bounded random subsample of `rows` of `features`.
+    """2-D PCA (scikit-learn) of a bounded random subsample of `rows` of `features`.
 
     Returns (sample indices, coordinates (n, 2), explained variance ratio (2,)); the
     same inputs give the same subsample and the same signs of the axes.
     """
+    from sklearn.decomposition import PCA
+
     rows = np.asarray(rows)
     if rows.size > max_points:
         rows = np.sort(np.random.default_rng(seed).choice(rows, size=max_points, replace=False))
     points = np.asarray(features[rows], dtype=np.float64)
-    centred = points - points.mean(axis=0)
-    _, singular, components = np.linalg.svd(centred, full_matrices=False)
-    components = components[:2]
-    # SVD signs are arbitrary: make each axis's largest loading positive, for a stable picture.
-    signs = np.sign(components[np.arange(components.shape[0]), np.abs(components).argmax(axis=1)])
-    components = components * signs[:, None]
-    coords = centred @ components.T
-    if coords.shape[1] < 2:
-        coords = np.pad(coords, ((0, 0), (0, 2 - coords.shape[1])))
-    variance = singular ** 2
-    explained = variance[:2] / max(variance.sum(), 1e-300)
-    return rows, coords, np.pad(explained, (0, 2 - explained.shape[0]))
+    components = min(2, points.shape[0], points.shape[1])
+    pca = PCA(n_components=components, svd_solver="full")
+    coords = pca.fit_transform(points)
+    explained = pca.explained_variance_ratio_
+    if components < 2:
+        coords = np.pad(coords, ((0, 0), (0, 2 - components)))
+        explained = np.pad(explained, (0, 2 - components))
+    return rows, coords, explained
 
 
 def cluster_family_counts(labels: np.ndarray, families: Sequence[str],
                           num_clusters: int) -> tuple[list[str], np.ndarray, float]:
-    """Per cluster, how many samples of each family: (family names, counts (K, F), purity).
-
-    Samples with label -1 (left out) are not counted. Purity = (1/n) sum_c max_f |c and f|.
-    """
-    names = sorted({family for label, family in zip(labels.tolist(), families) if label >= 0})
-    column = {name: i for i, name in enumerate(names)}
-    counts = np.zeros((num_clusters, len(names)), dtype=np.int64)
-    for label, family in zip(labels.tolist(), families):
-        if label >= 0:
-            counts[label, column[family]] += 1
-    total = int(counts.sum())
-    purity = float(counts.max(axis=1).sum() / total) if total and names else 0.0
-    return names, counts, purity
+    """Per cluster, how many samples of each family: (family names, counts (K, F), purity)."""
+    names, counts = category_counts(labels, families, num_clusters)
+    return names, counts, purity(counts)
 
 
 # --------------------------------------------------------------------------- the HTML report

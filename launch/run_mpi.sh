@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Launch a DeepSpeed job with mpirun; ranks find each other through mpi4py (ds_cluster's discovery).
 #
-#   launch/run_mpi.sh [-np N] [--hostfile FILE] [--script PY] [SCRIPT_ARGS...]
+#   launch/run_mpi.sh [-np N] [--hostfile FILE] [--script PY | --module M] [SCRIPT_ARGS...]
 #
 #   one node:   launch/run_mpi.sh -np 2 --deepspeed ds_configs/zero3.json --analysis runs/demo/analysis ...
 #   two hosts:  NET_IF=eth0 launch/run_mpi.sh --hostfile launch/hostfile.example --deepspeed ...
-#   analysis:   launch/run_mpi.sh --script "$(command -v ds-cluster)" analyze --deepspeed ... --out DIR
+#   analysis:   launch/run_mpi.sh --module ds_cluster.cli analyze --deepspeed ... --out DIR
 #
 # -np N          ranks (default 2 on one node; with a hostfile, the hostfile's slots)
 # --hostfile F   Open MPI hostfile ("h0 slots=1" per line); hosts are reached with ssh
-# --script PY    the Python script to run (default launch/train.py); SCRIPT_ARGS go to it
+# --script PY    a Python script to run instead of the module ds_cluster.train; SCRIPT_ARGS go to it
+# --module M     a Python module to run (default ds_cluster.train)
 #
 # Environment: NET_IF (interface the hosts share, default lo = one node only), MASTER_ADDR (default:
 # rank 0's address on NET_IF, found over MPI), MASTER_PORT (default 29500), PYTHON (default the
@@ -19,12 +20,13 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/multinode_env.sh"
 
-nproc="" hostfile="" script="$REPO/launch/train.py"
+nproc="" hostfile="" target=(-m ds_cluster.train)
 while [ $# -gt 0 ]; do
   case "$1" in
     -np|-n) nproc="$2"; shift 2 ;;
     --hostfile) hostfile="$2"; shift 2 ;;
-    --script) script="$2"; shift 2 ;;
+    --script) target=("$2"); shift 2 ;;
+    --module) target=(-m "$2"); shift 2 ;;
     --) shift; break ;;
     *) break ;;
   esac
@@ -46,4 +48,4 @@ mapfile -t -O "${#mpirun_args[@]}" mpirun_args < <(forward_args PYTHONPATH PYTHO
 # shellcheck disable=SC2206  # MPIRUN_ARGS is a list of options, split on purpose
 mpirun_args+=(${MPIRUN_ARGS:-})
 
-exec mpirun "${mpirun_args[@]}" "$PYTHON" "$script" "$@"
+exec mpirun "${mpirun_args[@]}" "$PYTHON" "${target[@]}" "$@"

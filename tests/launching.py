@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from ds_cluster.distributed import free_port  # noqa: E402 - re-exported for the tests
 
 
 def job_env(extra: Optional[dict] = None) -> dict:
@@ -56,8 +52,14 @@ def _run(cmd: list[str], timeout: float, env_extra: Optional[dict], cwd: Optiona
 
 def run_deepspeed(script_args: Iterable[str], nproc: int = 2, timeout: float = 300,
                   env_extra: Optional[dict] = None, cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
-    """`deepspeed --num_gpus N --master_port P script args...` (num_gpus is required on CPU)."""
+    """`deepspeed --num_gpus N --master_port P script args...` (num_gpus is required on CPU).
+
+    Arguments for python (`-m MODULE ...`) become the launcher's `--module MODULE ...`.
+    """
     launcher = shutil.which("deepspeed", path=str(BIN)) or "deepspeed"
+    script_args = list(script_args)
+    if script_args[:1] == ["-m"]:
+        script_args[0] = "--module"
     cmd = [launcher, "--num_gpus", str(nproc), "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), *script_args]
     return _run(cmd, timeout, env_extra, cwd)

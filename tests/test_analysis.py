@@ -7,9 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds_cluster.analysis import _publish, family_purity, forward_only_config
+from ds_cluster.analysis import forward_only_config
+from ds_cluster.analysis_dir import AnalysisDir
 from ds_cluster.cli import build_parser, main
-from tests.launching import BIN, check, run_deepspeed, run_mpirun
+from ds_cluster.clustering import category_counts, purity
+from tests.launching import check, run_deepspeed, run_mpirun
+
+ANALYZE = ["-m", "ds_cluster.cli", "analyze"]
 
 NUM_RECORDS = 60
 ANALYSIS_FILES = ("features.npy", "labels.npy", "centroids.npy", "distances.npy", "empty_mask.npy",
@@ -17,10 +21,10 @@ ANALYSIS_FILES = ("features.npy", "labels.npy", "centroids.npy", "distances.npy"
 
 
 def test_family_purity():
-    labels = np.array([0, 0, 0, 1, 1, 1])
-    result = family_purity(labels, ["a", "a", "b", "b", "b", "b"], num_clusters=2)
-    assert result["purity"] == pytest.approx(5 / 6)
-    assert result["cluster_families"] == [{"a": 2, "b": 1}, {"b": 3}]
+    labels = np.array([0, 0, 0, 1, 1, 1, -1])
+    names, counts = category_counts(labels, ["a", "a", "b", "b", "b", "b", "c"], num_clusters=2)
+    assert names == ["a", "b"] and counts.tolist() == [[2, 1], [0, 3]]  # label -1 is not counted
+    assert purity(counts) == pytest.approx(5 / 6)
 
 
 def test_forward_only_config_drops_training_parts():
@@ -36,11 +40,11 @@ def test_publish_replaces_atomically_and_keeps_old_analysis_on_failure(tmp_path)
     store = out / ".feature_store"
     store.mkdir(parents=True)
     (store / "manifest.json").write_text("{}")
-    _publish(out, {"labels.npy": np.arange(3)}, {"summary.json": {"n": 3}}, store)
+    AnalysisDir(out).write({"labels.npy": np.arange(3)}, {}, {"n": 3}, store)
     assert json.loads((out / "summary.json").read_text()) == {"n": 3}
     assert (out / ".feature_store" / "manifest.json").exists()  # the store moved with the directory
     with pytest.raises(ValueError):  # an object array cannot be saved without pickle
-        _publish(out, {"labels.npy": np.array([None, 1], dtype=object)}, {"summary.json": {"n": 4}}, store)
+        AnalysisDir(out).write({"labels.npy": np.array([None, 1], dtype=object)}, {}, {"n": 4}, store)
     assert json.loads((out / "summary.json").read_text()) == {"n": 3}
     assert np.load(out / "labels.npy").tolist() == [0, 1, 2] and (out / ".feature_store").exists()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["analysis"]  # no staging left over
@@ -55,6 +59,7 @@ def test_cli_help_explains_options_with_an_example(capsys):
                    "--max-length", "--recompute", "--store"):
         assert option in text
     assert "examples:" in text and "deepspeed --num_gpus 2" in text and "mpirun -np 2" in text
+    assert "--model-seed" not in text  # a model is a checkpoint folder: its seed is in its weights
     # The deepspeed launcher puts --local_rank before the subcommand.
     args = build_parser().parse_args(["--local_rank=1", "analyze", "--deepspeed", "c.json", "--model", "tiny",
                                       "--data", "d.jsonl", "--out", "o"])
@@ -64,9 +69,12 @@ def test_cli_help_explains_options_with_an_example(capsys):
 # ----------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from ds_cluster.data.tasks import generate_mixture, write_jsonl
+    from ds_cluster.dataset import write_jsonl
+    from ds_cluster.toy.models import save_tiny_model
+    from ds_cluster.toy.tasks import generate_mixture
 
     root = tmp_path_factory.mktemp("analyze_inputs")
+    save_tiny_model(root / "model", seed=0)
     records, _ = generate_mixture(seed=0, total=NUM_RECORDS, heldout_per_family=0)
     write_jsonl(records, root / "train.jsonl")
 
@@ -81,7 +89,8 @@ def inputs(tmp_path_factory):
         }))
         return path
 
-    return {"data": root / "train.jsonl", "families": [r["family"] for r in records], "config": config}
+    return {"data": root / "train.jsonl", "families": [r["family"] for r in records], "config": config,
+            "model": str(root / "model")}
 
 
 def _check_analysis(out: Path, families: list[str], kind: str, dim: int, world_size: int = 2) -> dict:
@@ -99,10 +108,10 @@ def _check_analysis(out: Path, families: list[str], kind: str, dim: int, world_s
     assert summary["kind"] == kind and summary["dim"] == dim and summary["num_clusters"] == world_size
     assert summary["cluster_sizes"] == np.bincount(labels, minlength=world_size).tolist()
     assert sum(summary["cluster_sizes"]) == NUM_RECORDS
-    expected = family_purity(labels, families, world_size)
-    assert summary["purity"] == pytest.approx(expected["purity"])
-    assert summary["cluster_families"] == expected["cluster_families"]
-    assert set(summary["timings_s"]) >= {"load", "extract", "cluster", "total"}
+    names, counts = category_counts(labels, families, world_size)
+    assert summary["purity"] == pytest.approx(purity(counts))
+    assert summary["cluster_families"] == [{n: int(c) for n, c in zip(names, row) if c} for row in counts]
+    assert set(summary["timings_s"]) >= {"extract", "cluster", "total"}
     assert manifest["kind"] == kind and manifest["dim"] == dim and manifest["seed"] == 5
     assert manifest["model_fingerprint"] and manifest["dataset_fingerprint"]
     return summary
@@ -111,7 +120,7 @@ def _check_analysis(out: Path, families: list[str], kind: str, dim: int, world_s
 @pytest.mark.integration
 def test_analyze_cli_under_deepspeed_launcher_zero3(inputs, tmp_path):
     out = tmp_path / "analysis"
-    args = [str(BIN / "ds-cluster"), "analyze", "--deepspeed", str(inputs["config"](3)), "--model", "tiny",
+    args = [*ANALYZE, "--deepspeed", str(inputs["config"](3)), "--model", inputs["model"],
             "--data", str(inputs["data"]), "--out", str(out), "--kind", "proxy", "--batch-size", "8",
             "--shard-size", "16"]
     check(run_deepspeed(args, timeout=240))
@@ -123,7 +132,7 @@ def test_analyze_cli_under_deepspeed_launcher_zero3(inputs, tmp_path):
 @pytest.mark.integration
 def test_analyze_cli_under_mpirun_zero2_lm_head(inputs, tmp_path):
     out = tmp_path / "analysis"
-    args = [str(BIN / "ds-cluster"), "analyze", "--deepspeed", str(inputs["config"](2)), "--model", "tiny",
+    args = [*ANALYZE, "--deepspeed", str(inputs["config"](2)), "--model", inputs["model"],
             "--data", str(inputs["data"]), "--out", str(out), "--kind", "lm_head", "--dim", "512",
             "--no-progress"]
     check(run_mpirun(args, timeout=240))

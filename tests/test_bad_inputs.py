@@ -19,8 +19,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pytest
 
-from ds_cluster.config import ClusterSamplingConfig, load_ds_config
-from ds_cluster.integrations.deepspeed import _initialize, check_batch_arithmetic, check_no_curriculum, load_plan_inputs
+from ds_cluster.batching import check_batch_arithmetic
+from ds_cluster.config import ClusterSamplingConfig
+from ds_cluster.ds_config import read_ds_config
+from ds_cluster.integrations.deepspeed import _initialize, check_no_curriculum
+from ds_cluster.integrations.plan_setup import read_plan_inputs
 from ds_cluster.plan import build_plan
 from tests.launching import BIN, REPO, job_env, run_deepspeed
 from tests.training import train_args
@@ -83,14 +86,14 @@ def test_block_that_is_not_an_object_is_refused():
 
 def test_config_file_with_broken_json_names_line_and_column(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text('{"train_micro_batch_size_per_gpu": 4,\n "zero_optimization": {"stage": 2,}}')
-    with pytest.raises(ValueError, match=r"ds\.json: not valid JSON .* line 2, column"):
+    path.write_text('{"train_micro_batch_size_per_gpu": 4,\n "zero_optimization": {"stage": [2, }}')
+    with pytest.raises(ValueError, match=r"ds\.json: not valid JSON or HJSON .* line 2, column"):
         ClusterSamplingConfig.from_ds_config(path)
 
 
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="DeepSpeed config file not found: .*nowhere.json"):
-        load_ds_config(tmp_path / "nowhere.json")
+        read_ds_config(tmp_path / "nowhere.json")
 
 
 def test_curriculum_and_cluster_sampling_together_name_the_key_to_turn_off():
@@ -176,6 +179,11 @@ def _analysis_inputs(features: np.ndarray, tmp: Optional[Path] = None):
     return load_plan_inputs(enabled(analysis_path=str(folder)), features.shape[0])
 
 
+def load_plan_inputs(config: ClusterSamplingConfig, num_samples: int, dataset: Any = None):
+    """What the hook reads before the engine: the analysis, checked against the data (N items by default)."""
+    return read_plan_inputs(config, dataset if dataset is not None else [{"i": i} for i in range(num_samples)])
+
+
 def _write_truncated(folder: Path) -> None:
     np.save(folder / "features.npy", group_features())
     data = (folder / "features.npy").read_bytes()
@@ -237,15 +245,15 @@ def test_bad_analysis_directory_is_refused_with_the_file_named(tmp_path, name, w
 
 
 def test_missing_analysis_path_says_to_run_analyze(tmp_path):
-    with pytest.raises(ValueError, match="analysis_path is not set: point it at the directory written by"):
+    with pytest.raises(ValueError, match="analysis_path is not set: point it at the analysis folder written by"):
         load_plan_inputs(enabled(), NUM_SAMPLES)
     with pytest.raises(FileNotFoundError, match=r"does not exist .*run `ds-cluster analyze` first"):
         load_plan_inputs(enabled(analysis_path=str(tmp_path / "none")), NUM_SAMPLES)
 
 
 def _instruction_dataset(records: list[dict]):
-    from ds_cluster.data.instructions import InstructionDataset
-    from ds_cluster.data.tokenizer import build_tokenizer
+    from ds_cluster.dataset import InstructionDataset
+    from ds_cluster.toy.tokenizer import build_tokenizer
 
     return InstructionDataset(records, build_tokenizer(), max_length=48)
 
@@ -255,7 +263,7 @@ def _records(prefix: str, count: int = NUM_SAMPLES) -> list[dict]:
 
 
 def test_analysis_of_another_dataset_with_the_same_length_is_refused(tmp_path):
-    from ds_cluster.data.instructions import dataset_fingerprint
+    from ds_cluster.dataset import dataset_fingerprint
 
     analysed, trained = _instruction_dataset(_records("copy")), _instruction_dataset(_records("reverse"))
     np.save(tmp_path / "features.npy", group_features())
@@ -265,9 +273,10 @@ def test_analysis_of_another_dataset_with_the_same_length_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"is an analysis of another dataset: .*'copy\.jsonl'.*Rerun `ds-cluster "
                                          r"analyze` on the training data"):
         load_plan_inputs(config, NUM_SAMPLES, trained)
-    # The dataset it was made for passes, and so does data that cannot be fingerprinted (only N is checked).
+    # The dataset it was made for passes, and so does the same content in another dataset class.
     assert load_plan_inputs(config, NUM_SAMPLES, analysed).features.shape == (NUM_SAMPLES, 3)
-    assert load_plan_inputs(config, NUM_SAMPLES, list(range(NUM_SAMPLES))).features is not None
+    same_content = [{key: value.tolist() for key, value in analysed[i].items()} for i in range(NUM_SAMPLES)]
+    assert load_plan_inputs(config, NUM_SAMPLES, same_content).features is not None
 
 
 # ------------------------------------------------------------------------------------------ the hook, before the engine
@@ -431,8 +440,8 @@ def test_hostfile_with_a_host_that_does_not_resolve_fails_within_seconds(tmp_pat
     env = job_env({"PATH": f"{stand_in.parent}{os.pathsep}{job_env()['PATH']}"})
     out = tmp_path / "out"
     command = [str(BIN / "deepspeed"), "--hostfile", str(tmp_path / "hostfile"), "--master_addr", "127.0.0.1",
-               str(REPO / "launch" / "train.py"), "--deepspeed", str(REPO / "ds_configs" / "zero2.json"),
-               "--output-dir", str(out)]
+               "--module", "ds_cluster.train", "--deepspeed", str(REPO / "ds_configs" / "zero2.json"),
+               "--model", "unused", "--data", "unused", "--output-dir", str(out)]
     started = time.monotonic()
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     elapsed = time.monotonic() - started

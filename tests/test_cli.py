@@ -6,10 +6,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
-from ds_cluster.cli import main, resolve_batch_shape
+from ds_cluster.batching import BatchShape, batch_shape_from_config
+from ds_cluster.cli import main
+from ds_cluster.cli.common import BATCH_FLAGS
 from ds_cluster.plan import Plan
 from tests.launching import REPO, check, job_env
 
@@ -34,15 +37,49 @@ def test_every_subcommand_explains_itself(command: str, capsys):
     assert "--deepspeed" in text
 
 
-def test_batch_shape_comes_from_flags_then_config_then_one():
+def resolve_batch_shape(config: dict, world: Optional[int], micro: Optional[int], accumulation: Optional[int]):
+    shape = batch_shape_from_config(config, "CONFIG", world_size=world, micro_batch_size=micro,
+                                    gradient_accumulation_steps=accumulation, flags=BATCH_FLAGS)
+    return shape.world_size, shape.micro_batch_size, shape.gradient_accumulation_steps
+
+
+def test_batch_shape_comes_from_flags_then_config_then_deepspeeds_rules():
     config = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
     assert resolve_batch_shape(config, None, None, None) == (4, 4, 2)
     assert resolve_batch_shape(config, 8, 1, None) == (8, 1, 2)
     assert resolve_batch_shape({"train_micro_batch_size_per_gpu": 4}, None, None, None) == (1, 4, 1)
-    # Hugging Face's "auto" is not a number: fall back.
-    assert resolve_batch_shape({"train_micro_batch_size_per_gpu": "auto"}, None, None, None) == (1, 1, 1)
+    # DeepSpeed derives what is missing from train_batch_size.
+    assert resolve_batch_shape({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4, None, None) == (4, 4, 2)
     with pytest.raises(ValueError, match="pass --world-size"):
         resolve_batch_shape({**config, "train_batch_size": 33}, None, None, None)
+    assert BatchShape(2, 4, 2).global_batch_size == 16
+
+
+@pytest.mark.parametrize("key,flag", [("train_micro_batch_size_per_gpu", "--micro-batch-size"),
+                                      ("gradient_accumulation_steps", "--gradient-accumulation-steps"),
+                                      ("train_batch_size", "--world-size")])
+def test_auto_in_the_config_asks_for_the_flag_by_name(key: str, flag: str):
+    config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+              key: "auto"}
+    with pytest.raises(ValueError, match=f"^{key} is 'auto' in CONFIG: pass {flag}$"):
+        resolve_batch_shape(config, None, None, None)
+    given = {"world_size": 2, "micro_batch_size": 4, "gradient_accumulation_steps": 2}
+    flag_of = {"--world-size": "world_size", "--micro-batch-size": "micro_batch_size",
+               "--gradient-accumulation-steps": "gradient_accumulation_steps"}
+    values = {name: (given[name] if flag_of[flag] == name else None) for name in given}
+    assert resolve_batch_shape(config, values["world_size"], values["micro_batch_size"],
+                               values["gradient_accumulation_steps"]) == (2, 4, 2)
+
+
+def test_plan_command_with_auto_batch_names_the_flag(analysis: Path, tmp_path: Path, caplog):
+    config = json.loads(CONFIG.read_text())
+    config.update(train_micro_batch_size_per_gpu="auto", train_batch_size="auto", gradient_accumulation_steps="auto")
+    path = tmp_path / "hf.json"
+    path.write_text(json.dumps(config))
+    assert main(["plan", "--analysis", str(analysis), "--deepspeed", str(path), "--world-size", "2"]) == 2
+    assert f"train_micro_batch_size_per_gpu is 'auto' in {path}: pass --micro-batch-size" in caplog.text
+    assert main(["plan", "--analysis", str(analysis), "--deepspeed", str(path), "--world-size", "2",
+                 "--micro-batch-size", "4", "--gradient-accumulation-steps", "2"]) == 0
 
 
 def test_plan_prints_the_summary_and_coverage(analysis: Path, tmp_path: Path, capsys):
@@ -84,7 +121,7 @@ def test_report_writes_the_page_with_a_family_table(analysis: Path, tmp_path: Pa
 
 
 def dry_run(capsys, *args: str) -> str:
-    assert main(["train", "--deepspeed", "cfg.json", *args, "--dry-run", "--", "--model", "tiny"]) == 0
+    assert main(["train", "--deepspeed", "cfg.json", *args, "--dry-run", "--", "--model", "m"]) == 0
     return capsys.readouterr().out
 
 
@@ -92,11 +129,12 @@ def test_train_dry_run_commands(capsys):
     deepspeed = dry_run(capsys, "--nproc", "3", "--master-port", "29999")
     assert "MASTER_ADDR=127.0.0.1" in deepspeed and "GLOO_SOCKET_IFNAME=lo" in deepspeed
     assert "deepspeed --num_gpus 3 --master_addr 127.0.0.1 --master_port 29999" in deepspeed
-    assert deepspeed.rstrip().endswith("launch/train.py --deepspeed cfg.json --model tiny")
+    assert deepspeed.rstrip().endswith("--module ds_cluster.train --deepspeed cfg.json --model m")
 
     mpirun = dry_run(capsys, "--launcher", "mpirun")
     assert "mpirun -np 2 --oversubscribe --mca btl self,vader --mca oob_tcp_if_include lo" in mpirun
-    assert "-x MASTER_ADDR" in mpirun and "-x GLOO_SOCKET_IFNAME" in mpirun and sys.executable in mpirun
+    assert "-x MASTER_ADDR" in mpirun and "-x GLOO_SOCKET_IFNAME" in mpirun
+    assert mpirun.rstrip().endswith(f"{sys.executable} -m ds_cluster.train --deepspeed cfg.json --model m")
 
     single = dry_run(capsys, "--launcher", "none")
     assert "RANK=0" in single and "WORLD_SIZE=1" in single and "deepspeed --num_gpus" not in single
@@ -111,10 +149,11 @@ def test_train_runs_two_ranks_with_the_deepspeed_launcher(small_job: Path, tmp_p
     """A real ZeRO-3 run through `ds-cluster train`, and its --save-model folder holds the trained weights."""
     out, config = tmp_path / "run", REPO / "ds_configs" / "zero3.json"
     command = [sys.executable, "-m", "ds_cluster.cli", "train", "--deepspeed", str(config), "--nproc", "2", "--",
-               "--model", "tiny", "--data", str(small_job / "train.jsonl"), "--analysis", str(small_job / "analysis"),
+               "--model", str(small_job / "model"), "--data", str(small_job / "train.jsonl"), "--analysis", str(small_job / "analysis"),
                "--output-dir", str(out), "--max-length", "64", "--max-steps", "2", "--save-model", str(out / "model")]
     result = check(subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300))
-    assert f"train.py --deepspeed {config} --model tiny" in result.stdout.splitlines()[0]  # the printed command
+    # The printed command runs the packaged training script.
+    assert f"--module ds_cluster.train --deepspeed {config} --model {small_job / 'model'}" in result.stdout.splitlines()[0]
     summaries = [json.loads((out / f"summary_rank{rank}.json").read_text()) for rank in range(2)]
     assert [s["steps"] for s in summaries] == [2, 2]
     assert summaries[0]["parameter_digest"] == summaries[1]["parameter_digest"]
@@ -123,6 +162,6 @@ def test_train_runs_two_ranks_with_the_deepspeed_launcher(small_job: Path, tmp_p
 
     model, _ = load_model_and_tokenizer(str(out / "model"))
     digest = hashlib.sha256()
-    for param in model.parameters():  # as launch/train.py's parameter_digest
+    for param in model.parameters():  # as ds_cluster.train's parameter_digest
         digest.update(param.detach().float().cpu().numpy().round(5).tobytes())
     assert digest.hexdigest()[:16] == summaries[0]["parameter_digest"], "saved weights are not the trained ones"

@@ -7,16 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_cluster.data import tasks
-from ds_cluster.data.instructions import (
+from ds_cluster.dataset import (
     IGNORE_INDEX,
     dataset_fingerprint,
     format_prompt,
     load_instruction_dataset,
+    read_jsonl,
+    write_jsonl,
 )
-from ds_cluster.data.tokenizer import build_tokenizer
+from ds_cluster.toy import tasks
+from ds_cluster.toy.evaluate import check_answer
+from ds_cluster.toy.tokenizer import build_tokenizer
 
-DEFAULT_DIR = Path(tasks.__file__).parent / "default"
+DEFAULT_DIR = tasks.DEFAULT_DATA
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +75,10 @@ def test_check_answer_accepts_gold_and_rejects_wrong_for_every_family(mixture):
     _, heldout = mixture
     for family in tasks.FAMILIES:
         record = next(r for r in heldout if r["family"] == family)
-        assert tasks.check_answer(record, record["output"])
-        assert tasks.check_answer(record, f"  {record['output']}\n")
-        assert not tasks.check_answer(record, record["output"] + "0")
-        assert not tasks.check_answer(record, "")
+        assert check_answer(record, record["output"])
+        assert check_answer(record, f"  {record['output']}\n")
+        assert not check_answer(record, record["output"] + "0")
+        assert not check_answer(record, "")
 
 
 @pytest.mark.parametrize("family", tasks.FAMILIES)
@@ -118,21 +121,21 @@ def test_pretraining_corpus_is_deterministic_and_not_the_tasks(mixture):
 
 def test_jsonl_round_trip_is_atomic(tmp_path, mixture):
     path = tmp_path / "sub" / "train.jsonl"
-    tasks.write_jsonl(mixture[1], path)
-    assert tasks.read_jsonl(path) == mixture[1]
+    write_jsonl(mixture[1], path)
+    assert read_jsonl(path) == mixture[1]
     assert [p.name for p in path.parent.iterdir()] == ["train.jsonl"]  # no temp file left behind
 
 
 def test_cli_writes_both_splits(tmp_path):
     tasks.main(["--out", str(tmp_path), "--seed", "3", "--total", "200", "--heldout-per-family", "5"])
     train, heldout = tasks.generate_mixture(seed=3, total=200, heldout_per_family=5)
-    assert tasks.read_jsonl(tmp_path / "train.jsonl") == train
-    assert tasks.read_jsonl(tmp_path / "heldout.jsonl") == heldout
+    assert read_jsonl(tmp_path / "train.jsonl") == train
+    assert read_jsonl(tmp_path / "heldout.jsonl") == heldout
 
 
 def test_shipped_default_data_is_the_seed_0_mixture(tmp_path, mixture):
-    tasks.write_jsonl(mixture[0], tmp_path / "train.jsonl")
-    tasks.write_jsonl(mixture[1], tmp_path / "heldout.jsonl")
+    write_jsonl(mixture[0], tmp_path / "train.jsonl")
+    write_jsonl(mixture[1], tmp_path / "heldout.jsonl")
     for name in ("train.jsonl", "heldout.jsonl"):
         assert (DEFAULT_DIR / name).read_bytes() == (tmp_path / name).read_bytes(), name
 
@@ -203,7 +206,7 @@ def test_jsonl_and_save_to_disk_give_the_same_items(tmp_path, tokenizer, mixture
     import datasets
 
     records = mixture[0][:50]
-    tasks.write_jsonl(records, tmp_path / "train.jsonl")
+    write_jsonl(records, tmp_path / "train.jsonl")
     datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "hf"))
 
     from_jsonl = load_instruction_dataset(tmp_path / "train.jsonl", tokenizer, max_length=80)

@@ -1,4 +1,4 @@
-"""Held-out loss and greedy exact match per family, on a fresh tiny model."""
+"""Held-out answer loss and greedy exact match per family (the toy world's evaluation), on a fresh tiny model."""
 from __future__ import annotations
 
 import math
@@ -6,15 +6,15 @@ import math
 import pytest
 import torch
 
-from ds_cluster import evaluate
-from ds_cluster.data.instructions import load_instruction_dataset
-from ds_cluster.data.tasks import FAMILIES, generate_mixture
-from ds_cluster.models import load_model_and_tokenizer
+from ds_cluster.dataset import IGNORE_INDEX, encode_prompt, load_instruction_dataset
+from ds_cluster.toy import evaluate
+from ds_cluster.toy.models import tiny_model
+from ds_cluster.toy.tasks import FAMILIES, generate_mixture
 
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer():
-    return load_model_and_tokenizer("tiny", seed=0)
+    return tiny_model(seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -24,69 +24,65 @@ def heldout() -> list[dict]:
     return heldout
 
 
-def test_heldout_loss_is_finite_for_every_family(model_and_tokenizer, heldout):
+def test_answer_loss_is_finite_for_every_family_and_leaves_out_the_end_token(model_and_tokenizer, heldout):
     model, tokenizer = model_and_tokenizer
     dataset = load_instruction_dataset(heldout, tokenizer, max_length=64)
     model.train()
-    losses = evaluate.heldout_loss_by_family(model, dataset, batch_size=7)
+    losses = evaluate.answer_loss_by_family(model, dataset, batch_size=7)
     assert model.training  # the caller's mode is restored
     assert set(losses) == set(FAMILIES)
     # An untrained model is close to uniform over the vocabulary.
     assert all(math.isfinite(v) and abs(v - math.log(len(tokenizer))) < 1.5 for v in losses.values())
     # Batching does not change the numbers.
-    per_sample = evaluate.per_sample_loss(model, dataset, batch_size=len(dataset))
-    assert torch.allclose(per_sample, evaluate.per_sample_loss(model, dataset, batch_size=5), atol=1e-5)
+    per_sample = evaluate.answer_loss(model, dataset, batch_size=len(dataset))
+    assert torch.allclose(per_sample, evaluate.answer_loss(model, dataset, batch_size=5), atol=1e-5)
+    # Without the end token: the mean over the answer tokens only, by hand for one sample.
+    with torch.no_grad():
+        logits = model(input_ids=dataset.input_ids[:1], attention_mask=dataset.attention_mask[:1]).logits[0, :-1]
+    targets = dataset.labels[0, 1:]
+    positions = torch.nonzero(targets != IGNORE_INDEX).squeeze(1)[:-1]  # the last one is </s>
+    by_hand = torch.nn.functional.cross_entropy(logits[positions], targets[positions])
+    assert per_sample[0].item() == pytest.approx(by_hand.item(), rel=1e-5)
+    with_eos = evaluate.answer_loss(model, dataset, batch_size=8, include_eos=True)
+    assert not torch.allclose(with_eos, per_sample)
 
 
-def test_greedy_decoding_returns_strings_and_accuracy_in_unit_interval(model_and_tokenizer, heldout):
-    model, tokenizer = model_and_tokenizer
-    answers = evaluate.greedy_generate(model, tokenizer, heldout, max_new_tokens=5, batch_size=16)
-    assert len(answers) == len(heldout) and all(isinstance(a, str) for a in answers)
-    accuracy = evaluate.exact_match_by_family(model, tokenizer, heldout, max_new_tokens=5, batch_size=16)
-    assert set(accuracy) == set(FAMILIES) and all(0.0 <= v <= 1.0 for v in accuracy.values())
+def _greedy_by_hand(model, tokenizer, record, max_new_tokens: int) -> str:
+    """Greedy decoding the slow way: the whole sequence again for every token, no padding, no cache."""
+    ids = encode_prompt(tokenizer, record)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
+            if token == tokenizer.eos_token_id:
+                break
+            out.append(token)
+    return tokenizer.decode(out, skip_special_tokens=True)
 
 
-def test_batched_left_padded_decoding_matches_one_at_a_time(model_and_tokenizer, heldout):
+def test_batched_left_padded_generation_matches_greedy_by_hand(model_and_tokenizer, heldout):
     model, tokenizer = model_and_tokenizer
     records = heldout[::3]  # prompts of different lengths in one batch
-    batched = evaluate.greedy_generate(model, tokenizer, records, max_new_tokens=6, batch_size=len(records))
-    single = evaluate.greedy_generate(model, tokenizer, records, max_new_tokens=6, batch_size=1)
-    assert batched == single
-    # Without early stopping (the ZeRO-3 mode) the answers are the same.
-    assert evaluate.greedy_generate(model, tokenizer, records, max_new_tokens=6, early_stop=False) == batched
+    batched = evaluate.greedy_answers(model, tokenizer, records, max_new_tokens=6, batch_size=len(records))
+    assert batched == [_greedy_by_hand(model, tokenizer, record, 6) for record in records]
+    assert evaluate.greedy_answers(model, tokenizer, records, max_new_tokens=6, batch_size=1) == batched
 
 
-class _Echo(torch.nn.Module):
-    """A stand-in 'model' that always predicts a fixed answer then </s>: makes accuracy checkable."""
-
-    def __init__(self, answer_ids: list[int], eos_id: int, vocab_size: int):
-        super().__init__()
-        self.anchor = torch.nn.Parameter(torch.zeros(1))
-        self.answer = answer_ids + [eos_id]
-        self.vocab_size = vocab_size
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, cache=None):
-        step = 0 if cache is None else cache
-        logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], self.vocab_size)
-        logits[:, -1, self.answer[min(step, len(self.answer) - 1)]] = 1.0
-        return type("Output", (), {"logits": logits, "cache": step + 1})()
-
-
-def test_exact_match_counts_correct_answers(model_and_tokenizer, heldout):
-    _, tokenizer = model_and_tokenizer
-    target = next(r for r in heldout if r["family"] == "add")
-    echo = _Echo(tokenizer(target["output"], add_special_tokens=False)["input_ids"],
-                 tokenizer.eos_token_id, len(tokenizer))
-    records = [r for r in heldout if r["family"] == "add"]
-    accuracy = evaluate.exact_match_by_family(echo, tokenizer, records, max_new_tokens=8)
-    expected = sum(r["output"] == target["output"] for r in records) / len(records)
-    assert accuracy == {"add": pytest.approx(expected)} and expected > 0
+def test_exact_match_counts_correct_answers(heldout):
+    records = [r for r in heldout if r["family"] in ("add", "reverse")]
+    answers = [r["output"] if i % 2 == 0 else r["output"] + "x" for i, r in enumerate(records)]
+    answers[0] = f"  {records[0]['output']}\n"  # surrounding whitespace does not count
+    scores = evaluate.score_answers(records, answers)
+    expected = {family: sum(1 for i, r in enumerate(records) if r["family"] == family and i % 2 == 0)
+                / sum(1 for r in records if r["family"] == family) for family in ("add", "reverse")}
+    assert scores == pytest.approx(expected)
 
 
 def test_summarize_reports_macro_and_worst_family():
     summary = evaluate.summarize({"a": 1.0, "b": 0.5, "c": 0.0})
-    assert summary["macro_avg"] == pytest.approx(0.5)
+    assert summary["macro"] == pytest.approx(0.5)
     assert (summary["worst_family"], summary["worst"]) == ("c", 0.0)
-    assert (summary["best_family"], summary["best"]) == ("a", 1.0)
+    losses = evaluate.summarize({"a": 0.1, "b": 2.0}, higher_is_better=False)
+    assert (losses["worst_family"], losses["worst"]) == ("b", 2.0)
     with pytest.raises(ValueError):
         evaluate.summarize({})

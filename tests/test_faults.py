@@ -3,7 +3,7 @@
 A SIGKILL of one rank during feature extraction, then a rerun that computes only
 the unfinished shards, is tests/test_features_distributed.py
 ::test_killed_run_resumes_only_unfinished_shards (not repeated here).
-Faults are injected by tests/workers/fault_worker.py around launch/train.py;
+Faults are injected by tests/workers/fault_worker.py around the training script (ds_cluster.train);
 the library and the training script have no test-only code paths.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from ds_cluster.analysis import _publish
-from ds_cluster.data.tasks import read_jsonl, write_jsonl
+from ds_cluster.analysis_dir import AnalysisDir
+from ds_cluster.dataset import read_jsonl, write_jsonl
 from ds_cluster.plan import Plan
-from tests.launching import BIN, REPO, check, run_deepspeed
+from tests.launching import REPO, check, run_deepspeed
 from tests.test_bad_inputs import assert_failed_on_every_rank, snapshot
 from tests.training import read_trace, train_args
 from tests.workers.fault_worker import KILL_AFTER_STEP_VAR, RANK_ARGS_VAR
@@ -33,7 +33,7 @@ DISAGREE_WITHIN_S = 60.0
 def worker_args(small_job: Path, out: Path, *extra: str) -> list[str]:  # noqa: F811
     """train.py's arguments for the small job, started through the fault-injecting wrapper."""
     args = train_args(small_job, "zero2.json", out, *extra)
-    return [WORKER, *args[1:]]
+    return [WORKER, *args[2:]]  # in place of `-m ds_cluster.train`
 
 
 def _timed(args: list[str], **options: Any) -> tuple[subprocess.CompletedProcess, float]:
@@ -137,8 +137,8 @@ def test_full_disk_while_writing_the_analysis_keeps_the_previous_one(small_job, 
     previous = _previous_analysis(small_disk)
     before = snapshot(small_disk)
     # The feature store lives elsewhere, so the disk fills exactly while the analysis directory is written.
-    args = [str(BIN / "ds-cluster"), "analyze", "--deepspeed", str(REPO / "ds_configs" / "zero2.json"),
-            "--model", "tiny", "--data", str(small_job / "train.jsonl"), "--out", str(previous),
+    args = ["-m", "ds_cluster.cli", "analyze", "--deepspeed", str(REPO / "ds_configs" / "zero2.json"),
+            "--model", str(small_job / "model"), "--data", str(small_job / "train.jsonl"), "--out", str(previous),
             "--store", str(tmp_path / "store"), "--kind", "proxy", "--batch-size", "32", "--max-length", "64",
             "--no-progress"]
     result, elapsed = _timed(args, timeout=240)
@@ -154,8 +154,7 @@ def test_read_only_disk_while_writing_the_analysis_keeps_the_previous_one(tmp_pa
         before = snapshot(disk)
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
         with pytest.raises(OSError, match="Read-only file system"):
-            _publish(previous, {"features.npy": np.zeros((4, 2), np.float32)}, {"manifest.json": {}},
-                     tmp_path / "store")
+            AnalysisDir(previous).write({"features.npy": np.zeros((4, 2), np.float32)}, {}, {}, tmp_path / "store")
         assert snapshot(disk) == before
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
@@ -166,6 +165,6 @@ def test_full_disk_in_publish_names_the_space_needed_and_keeps_the_previous_one(
     before = snapshot(small_disk)
     with pytest.raises(OSError, match=r"No space left on device: \d+ bytes free in .*needs about 400000.*"
                                       r"choose another --out\. The previous analysis there, if any, is unchanged"):
-        _publish(previous, {"features.npy": np.zeros((1000, 100), np.float32)}, {"manifest.json": {}},
-                 tmp_path / "store")
+        AnalysisDir(previous).write({"features.npy": np.zeros((1000, 100), np.float32)}, {}, {},
+                                    tmp_path / "store")
     assert snapshot(small_disk) == before

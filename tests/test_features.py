@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from ds_cluster.features.extract import model_fingerprint, run_extraction, token_dataset_fingerprint
+from ds_cluster.dataset import dataset_fingerprint
+from ds_cluster.features.extract import model_fingerprint, run_extraction
 from ds_cluster.features.projection import factor_dim, gaussian_matrix, kronecker_projection
 from ds_cluster.features.store import FeatureStore
 from tests.workers.feature_fixtures import HIDDEN, VOCAB, tiny_llama, token_dataset
@@ -176,4 +177,4 @@ def test_fingerprints_follow_weights_and_tokens(model, dataset):
     assert model_fingerprint(same) != model_fingerprint(model)
     changed = [dict(sample) for sample in dataset]
     changed[3] = dict(changed[3], labels=torch.full_like(changed[3]["labels"], -100))
-    assert token_dataset_fingerprint(changed) != token_dataset_fingerprint(dataset)
+    assert dataset_fingerprint(changed) != dataset_fingerprint(dataset)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from ds_cluster import ClusterSamplingConfig, Plan, build_plan
-from ds_cluster.hf import SAMPLER_STATE_FILE
-from ds_cluster.integrations.deepspeed import load_plan_inputs
+from ds_cluster.analysis_dir import AnalysisDir
+from ds_cluster.integrations.hf import SAMPLER_STATE_FILE
 from tests.launching import REPO, check, run_deepspeed
 from tests.training import read_trace
 
@@ -34,7 +34,7 @@ def expected_plan(small_job: Path, trainer_config: Path) -> Plan:  # noqa: F811
     """The plan built here, independently of the Trainer, for the run's batch shape."""
     config = ClusterSamplingConfig.from_ds_config(trainer_config)
     num_samples = sum(1 for _ in (small_job / "train.jsonl").open())
-    inputs = load_plan_inputs(config, num_samples)
+    inputs = AnalysisDir(config.analysis_path).load_inputs(num_samples)
     ds_config = json.loads(trainer_config.read_text())
     return build_plan(inputs.features, config, world_size=WORLD,
                       micro_batch_size=ds_config["train_micro_batch_size_per_gpu"],
@@ -43,7 +43,8 @@ def expected_plan(small_job: Path, trainer_config: Path) -> Plan:  # noqa: F811
 
 
 def worker_args(job: Path, config: Path, out: Path, *extra: str) -> list[str]:
-    return [str(WORKER), "--deepspeed", str(config), "--data", str(job / "train.jsonl"), "--out", str(out),
+    return [str(WORKER), "--deepspeed", str(config), "--model", str(job / "model"), "--data", str(job / "train.jsonl"),
+            "--out", str(out),
             "--max-steps", str(MAX_STEPS), "--save-steps", str(SAVE_STEPS), *extra]
 
 
@@ -100,15 +101,15 @@ def test_one_process_loader_follows_the_plan_and_refuses_a_checkpoint_of_another
     """In-process, no launcher: the loader is the plan for world 1, and a foreign checkpoint is an error."""
     from transformers import TrainingArguments
 
-    from ds_cluster.data.instructions import load_instruction_dataset
-    from ds_cluster.hf import ClusterTrainer
+    from ds_cluster.dataset import load_instruction_dataset
+    from ds_cluster.integrations.hf import ClusterTrainer
     from ds_cluster.models import load_model_and_tokenizer
 
     block = json.loads(trainer_config.read_text())["data_efficiency"]["data_sampling"]["cluster_sampling"]
     block = {**block, "preset": None, "allocation": "stratified", "num_clusters": 3, "kmeans_n_init": 1}
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              use_cpu=True, report_to=[])
-    model, tokenizer = load_model_and_tokenizer("tiny", seed=0)
+    model, tokenizer = load_model_and_tokenizer(small_job / "model")
     dataset = load_instruction_dataset(small_job / "train.jsonl", tokenizer, max_length=64)
     trainer = ClusterTrainer(model=model, args=args, train_dataset=dataset, cluster_config=block)
     loader = trainer.get_train_dataloader()

@@ -40,7 +40,7 @@ def test_resume_continues_the_exact_sequence(small_job, tmp_path, stage):
     config = f"zero{stage}.json"
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     check(run_deepspeed(train_args(small_job, config, whole, "--max-steps", "6"), timeout=300))
-    check(run_deepspeed(train_args(small_job, config, parts, "--max-steps", "6", "--stop-after", "3"), timeout=300))
+    check(run_deepspeed(train_args(small_job, config, parts, "--max-steps", "6", "--test-stop-after", "3"), timeout=300))
     check(run_deepspeed(train_args(small_job, config, parts, "--max-steps", "6", "--resume"), timeout=300))
     for rank in range(2):
         expected, resumed = read_trace(whole, rank), read_trace(parts, rank)
@@ -117,7 +117,7 @@ def test_analysis_of_other_data_fails_on_every_rank(small_job, tmp_path):
     point_elsewhere(config)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(config))
-    args = [str(TRAIN), "--deepspeed", str(path), "--model", "tiny", "--data", str(small_job / "train.jsonl"),
+    args = [*TRAIN, "--deepspeed", str(path), "--model", str(small_job / "model"), "--data", str(small_job / "train.jsonl"),
             "--output-dir", str(tmp_path / "out"), "--max-length", "64"]
     result = run_deepspeed(args, timeout=240)
     output = result.stdout + result.stderr

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_cluster import models
-from ds_cluster.data.instructions import load_instruction_dataset
-from ds_cluster.data.tasks import generate_mixture
+from ds_cluster.dataset import load_instruction_dataset
+from ds_cluster.models import load_model_and_tokenizer
+from ds_cluster.toy import models
+from ds_cluster.toy.tasks import generate_mixture
 
 
 def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -17,7 +18,7 @@ def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_tiny_model_forward_gives_a_finite_loss():
-    model, tokenizer = models.load_model_and_tokenizer("tiny", seed=0)
+    model, tokenizer = models.tiny_model(seed=0)
     assert model.config.vocab_size == len(tokenizer)
     assert 1_000_000 < sum(p.numel() for p in model.parameters()) < 5_000_000
     dataset = load_instruction_dataset(generate_mixture(seed=0)[1][:8], tokenizer, max_length=64)
@@ -33,17 +34,17 @@ def test_tiny_init_is_seeded_and_leaves_the_global_rng_alone():
     torch.manual_seed(123)
     expected_draw = torch.rand(3)
     torch.manual_seed(123)
-    first, _ = models.load_model_and_tokenizer("tiny", seed=7)
+    first, _ = models.tiny_model(seed=7)
     assert torch.equal(torch.rand(3), expected_draw)
-    again = _parameters(models.load_model_and_tokenizer("tiny", seed=7)[0])
-    other = _parameters(models.load_model_and_tokenizer("tiny", seed=8)[0])
+    again = _parameters(models.tiny_model(seed=7)[0])
+    other = _parameters(models.tiny_model(seed=8)[0])
     assert all(torch.equal(p, again[name]) for name, p in _parameters(first).items())
     assert not all(torch.equal(p, other[name]) for name, p in _parameters(first).items())
 
 
 def test_unknown_model_name_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError):
-        models.load_model_and_tokenizer(str(tmp_path / "missing"))
+        load_model_and_tokenizer(str(tmp_path / "missing"))
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_ensure_base_model_pretrains_once_then_reuses_the_cache(base_model_path)
     assert weights.stat().st_mtime_ns == mtime  # served from the cache, not rebuilt
 
     # The checkpoint loads back as a plain Hugging Face folder, tokenizer included.
-    model, tokenizer = models.load_model_and_tokenizer(base_model_path)
+    model, tokenizer = load_model_and_tokenizer(base_model_path)
     assert model.config.hidden_size == models.tiny_llama_config(len(tokenizer)).hidden_size
     assert tokenizer.decode(tokenizer("12 + 3", add_special_tokens=False)["input_ids"]) == "12 + 3"
 
@@ -79,7 +80,7 @@ def test_an_incomplete_cache_folder_is_rebuilt_identically(tmp_path, base_model_
     path = models.ensure_base_model(cache_dir=tmp_path, seed=0, steps=2)
     assert path == str(broken) and (broken / models.MANIFEST_NAME).is_file()
     # Same seed and recipe, same weights: pretraining is deterministic.
-    load = lambda p: _parameters(models.load_model_and_tokenizer(p)[0])  # noqa: E731
+    load = lambda p: _parameters(load_model_and_tokenizer(p)[0])  # noqa: E731
     rebuilt, original = load(path), load(base_model_path)
     assert all(torch.equal(rebuilt[name], original[name]) for name in original)
 
@@ -95,11 +96,11 @@ _ZERO3_SCRIPT = """
 import gc, sys, torch, deepspeed
 from ds_cluster import models
 path = sys.argv[1]
-plain, tokenizer = models.load_model_and_tokenizer(path)
+plain, tokenizer = load_model_and_tokenizer(path)
 config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
 deepspeed.init_distributed(dist_backend="gloo")
-model, _ = models.load_model_and_tokenizer(path, ds_config=config)
+model, _ = load_model_and_tokenizer(path, ds_config=config)
 assert model._hf_ds_config_ref is not None
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 expected = dict(plain.named_parameters())

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 import pytest
 
-from ds_cluster.data.tasks import read_jsonl, write_jsonl
+from ds_cluster.dataset import read_jsonl, write_jsonl
 from tests.launching import BIN, REPO, check, job_env
 from tests.multinode import TwoHosts, cannot_make_hosts, make_two_hosts
 from tests.training import assert_run_follows_plan, read_trace, train_args
@@ -46,9 +46,11 @@ def two_hosts(tmp_path_factory) -> TwoHosts:
 def launch_on_h0(hosts: TwoHosts, launcher: str, script_args: Sequence[str], hostfile: Optional[Path] = None,
                  timeout: float = JOB_TIMEOUT_S) -> tuple[subprocess.CompletedProcess, float]:
     """`launch/run_<launcher>.sh --hostfile F --script SCRIPT ARGS...` started on h0; (result, seconds)."""
-    script, *args = script_args
-    command = ["bash", str(LAUNCHERS[launcher]), "--hostfile", str(hostfile or hosts.hostfile()),
-               "--script", str(script), *args]
+    if script_args[0] == "-m":
+        target, args = ["--module", script_args[1]], list(script_args[2:])
+    else:
+        target, args = ["--script", str(script_args[0])], list(script_args[1:])
+    command = ["bash", str(LAUNCHERS[launcher]), "--hostfile", str(hostfile or hosts.hostfile()), *target, *args]
     start = time.monotonic()
     result = hosts.run("h0", command, timeout=timeout)
     return result, time.monotonic() - start
@@ -87,14 +89,14 @@ def test_mpirun_hostfile_zero3_trains_on_the_plan(mpirun_run):
 
 @pytest.fixture(scope="module")
 def resumed_run(two_hosts, small_job, mpirun_run, tmp_path_factory):
-    """The same fine-tune stopped after a checkpoint (launch/run_mpi.sh --stop-after), then relaunched with
+    """The same fine-tune stopped after a checkpoint (launch/run_mpi.sh --test-stop-after), then relaunched with
     --resume through launch/run_deepspeed.sh: the checkpoint, not the launcher, carries the sequence.
 
     The relaunch is also this module's deepspeed-launcher run (one two-host job less on a 2-core machine)."""
     out = tmp_path_factory.mktemp("resumed_two_hosts")
     steps = ("--max-steps", str(STEPS))
     stopped, _ = launch_on_h0(two_hosts, "mpirun",
-                              train_args(small_job, "zero3.json", out, *steps, "--stop-after", str(STEPS // 2)))
+                              train_args(small_job, "zero3.json", out, *steps, "--test-stop-after", str(STEPS // 2)))
     check(stopped)
     resumed, _ = launch_on_h0(two_hosts, "deepspeed", train_args(small_job, "zero3.json", out, *steps, "--resume"))
     return out, resumed
@@ -139,7 +141,8 @@ def test_feature_extraction_split_across_hosts_matches_one_host(two_hosts, small
     (tmp_path / "zero3.json").write_text(json.dumps(config))
 
     def analyze_args(out: Path) -> list[str]:
-        return [str(BIN / "ds-cluster"), "analyze", "--deepspeed", str(tmp_path / "zero3.json"), "--model", "tiny",
+        return [str(BIN / "ds-cluster"), "analyze", "--deepspeed", str(tmp_path / "zero3.json"),
+                "--model", str(small_job / "model"),
                 "--data", str(tmp_path / "data.jsonl"), "--out", str(out), "--kind", "proxy", "--batch-size", "8",
                 "--shard-size", "16", "--no-progress"]
 

@@ -1,4 +1,4 @@
-"""Helpers for tests that run launch/train.py: arguments, traces, and what a good run looks like."""
+"""Helpers for tests that run the training script (python -m ds_cluster.train): arguments, traces, checks."""
 from __future__ import annotations
 
 import json
@@ -7,15 +7,20 @@ from pathlib import Path
 import numpy as np
 
 from ds_cluster import Plan
-from ds_cluster.data.tasks import read_jsonl, write_jsonl
+from ds_cluster.dataset import read_jsonl, write_jsonl
+from ds_cluster.toy.models import save_tiny_model
+from ds_cluster.toy.tasks import DEFAULT_DATA
 from tests.launching import REPO
 
-TRAIN = REPO / "launch" / "train.py"
+# What python runs (`python -m ds_cluster.train`); tests/launching.py turns it into the launchers' forms.
+TRAIN = ["-m", "ds_cluster.train"]
 
 
 def make_small_job(root: Path) -> Path:
-    """A 480-sample slice of the shipped data (every family) and a hand-made analysis (features by family)."""
-    records = read_jsonl(REPO / "ds_cluster" / "data" / "default" / "train.jsonl")
+    """A small slice of the shipped data (every family), a hand-made analysis (features by family) and a
+    fresh tiny model as a checkpoint folder (`root/model`, what --model takes)."""
+    save_tiny_model(root / "model", seed=0)
+    records = read_jsonl(DEFAULT_DATA / "train.jsonl")
     by_family: dict[str, list] = {}
     for record in records:
         by_family.setdefault(record["family"], []).append(record)
@@ -32,7 +37,7 @@ def make_small_job(root: Path) -> Path:
 
 
 def train_args(job: Path, config: str, out: Path, *extra: str) -> list[str]:
-    return [str(TRAIN), "--deepspeed", str(REPO / "ds_configs" / config), "--model", "tiny",
+    return [*TRAIN, "--deepspeed", str(REPO / "ds_configs" / config), "--model", str(job / "model"),
             "--data", str(job / "train.jsonl"), "--analysis", str(job / "analysis"),
             "--output-dir", str(out), "--max-length", "64", "--trace", *extra]
 

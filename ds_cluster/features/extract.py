@@ -1,6 +1,6 @@
 """Per-sample gradient features from a DeepSpeed engine's forward pass, under any ZeRO stage.
 
-Kinds (DESIGN.md, "Features"):
+Kinds (docs/design.md, "Features"):
 
 - ``proxy``: g(x) = mean_{t in R} (p_t - 1) h_t, the gold-token rows of the
   per-token output-layer gradients (the paper's feature, d = hidden size);
@@ -32,6 +32,7 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from ds_cluster.dataset import IGNORE_INDEX, dataset_fingerprint
 from ds_cluster.distributed import agree_on_error, all_gather_object, check_agreement, get_rank, get_world_size
 from ds_cluster.features.projection import KroneckerProjection, kronecker_projection
 from ds_cluster.features.store import DEFAULT_SHARD_SIZE, FeatureStore, StoreManifest
@@ -39,7 +40,6 @@ from ds_cluster.features.store import DEFAULT_SHARD_SIZE, FeatureStore, StoreMan
 logger = logging.getLogger(__name__)
 
 FeatureKind = Literal["proxy", "lm_head", "layers"]
-IGNORE_INDEX = -100
 DEFAULT_LM_HEAD_DIM = 1024
 # Config keys that name where or how a model was loaded, not what it computes.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
@@ -152,17 +152,6 @@ def model_fingerprint(engine: Any) -> str:
     digest.update(json.dumps(config_dict, sort_keys=True, default=str).encode())
     digest.update(json.dumps(names).encode())
     digest.update(json.dumps(checksums).encode())
-    return digest.hexdigest()
-
-
-def token_dataset_fingerprint(dataset: Sequence[dict]) -> str:
-    """Hash of every sample's input_ids, attention_mask and labels, in order."""
-    digest = hashlib.sha256()
-    digest.update(str(len(dataset)).encode())
-    for index in range(len(dataset)):
-        item = dataset[index]
-        for key in ("input_ids", "attention_mask", "labels"):
-            digest.update(np.asarray(torch.as_tensor(item[key]).cpu(), dtype=np.int64).tobytes())
     return digest.hexdigest()
 
 
@@ -319,7 +308,7 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, d
     feature_store = FeatureStore(store) if isinstance(store, (str, Path)) else store
     manifest = StoreManifest(kind=kind, dim=dim, seed=seed, normalize=normalize,
                              model_fingerprint=model_fingerprint(engine) if feature_store else "",
-                             dataset_fingerprint=token_dataset_fingerprint(dataset) if feature_store else "",
+                             dataset_fingerprint=dataset_fingerprint(dataset) if feature_store else "",
                              num_samples=num_samples, shard_size=shard_size)
     if feature_store is not None:
         pending = _prepare_store(feature_store, manifest, overwrite, rank)

@@ -19,12 +19,13 @@ import json
 import logging
 import os
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
+
+from ds_cluster.fileio import write_json_atomic, write_npy_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -76,32 +77,6 @@ class ShardMarker:
     rank: int
     run_id: str
     seconds: float
-
-
-def write_atomic(path: Path, write: Any) -> None:
-    """Call write(file_object) on a temp file next to `path`, then os.replace it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A unique name opened exclusively (not mkstemp, whose files are private 0600: the
-    # store and analysis files should get the usual umask permissions).
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    try:
-        with open(tmp, "xb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    write_atomic(path, lambda handle: handle.write(json.dumps(data, indent=2, sort_keys=True).encode()))
-
-
-def write_npy_atomic(path: Path, array: np.ndarray) -> None:
-    write_atomic(path, lambda handle: np.save(handle, array, allow_pickle=False))
 
 
 def _rows_digest(rows: np.ndarray) -> str:

@@ -1,6 +1,6 @@
 """Hugging Face Trainer integration: `ClusterTrainer` trains on the cluster plan with the weighted loss.
 
-    from ds_cluster.hf import ClusterTrainer
+    from ds_cluster.integrations.hf import ClusterTrainer
     args = TrainingArguments(output_dir="runs/hf", deepspeed="ds_configs/zero3.json", ...)
     trainer = ClusterTrainer(model=model, args=args, train_dataset=dataset)
     trainer.train()                       # or trainer.train(resume_from_checkpoint=True)
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Union
 
@@ -40,10 +39,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from transformers.utils import is_datasets_available
 
 from ds_cluster import distributed
+from ds_cluster.batching import BatchShape
 from ds_cluster.config import ClusterSamplingConfig
-from ds_cluster.integrations.deepspeed import load_plan_inputs
+from ds_cluster.fileio import write_json_atomic
+from ds_cluster.integrations import plan_setup
 from ds_cluster.loss import weighted_causal_lm_loss
-from ds_cluster.plan import Plan, build_plan
+from ds_cluster.plan import Plan
 from ds_cluster.sampler import SAMPLE_INDEX, SAMPLE_WEIGHT, ClusterDataLoader
 
 logger = logging.getLogger(__name__)
@@ -121,32 +122,12 @@ class ClusterTrainer(Trainer):
         Accelerate reports one process for DeepSpeed on CPU although DeepSpeed trains on all of them.
         """
         distributed.release_shared_memory_buffer()  # DeepSpeed's CPU shm buffer would leak in /dev/shm
-        world_size = distributed.get_world_size()
-        micro = self._train_batch_size
-        accumulation = self.args.gradient_accumulation_steps
-        shape = (world_size, micro, accumulation)
-        if self.plan is not None and (self.plan.world_size, self.plan.micro_batch_size,
-                                      self.plan.gradient_accumulation_steps) == shape:
-            return self.plan
-        error: Optional[BaseException] = None
-        plan = None
-        try:
-            inputs = load_plan_inputs(self.cluster_config, len(self.train_dataset))  # type: ignore[arg-type]
-            plan = build_plan(inputs.features, self.cluster_config, world_size=world_size, micro_batch_size=micro,
-                              gradient_accumulation_steps=accumulation, labels=inputs.labels, exclude=inputs.exclude)
-        except (ValueError, FileNotFoundError) as err:
-            error = err
-        # A failure on one rank is an error on all of them, not a hang in the first collective.
-        distributed.agree_on_error(error, "building the cluster plan")
-        assert plan is not None
-        distributed.check_agreement(plan.fingerprint(), "cluster plan fingerprint")
-        self.plan = plan
-        if distributed.get_rank() == 0:
-            summary = plan.summary()
-            logger.info("ds_cluster: kept %d of %d samples in %d clusters; %d steps per epoch; plan %s",
-                        summary["num_kept"], summary["num_samples"], summary["num_clusters"],
-                        summary["steps_per_epoch"], summary["fingerprint"])
-        return plan
+        shape = BatchShape(distributed.get_world_size(), self._train_batch_size,
+                           self.args.gradient_accumulation_steps)
+        if self.plan is None or self.plan.batch_shape != shape:
+            plan_setup.check_training_data(self.train_dataset)
+            self.plan = plan_setup.agreed_plan(self.cluster_config, self.train_dataset, shape)
+        return self.plan
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
@@ -204,9 +185,7 @@ class ClusterTrainer(Trainer):
         # The position from the optimizer step, not from what the loader has read ahead (workers prefetch).
         state["epoch"], state["position"] = self._resume_point(self.state.global_step, self.plan)
         state["global_step"] = self.state.global_step
-        tmp = folder / f".{SAMPLER_STATE_FILE}.tmp"
-        tmp.write_text(json.dumps(state, indent=2, sort_keys=True))
-        os.replace(tmp, folder / SAMPLER_STATE_FILE)
+        write_json_atomic(folder / SAMPLER_STATE_FILE, state)
 
     @staticmethod
     def _resume_point(global_step: int, plan: Plan) -> tuple[int, int]:

@@ -1,39 +1,25 @@
-"""launch/train.py with faults injected from the outside; started by tests/test_faults.py.
+"""The training script (ds_cluster.train) with faults injected from the outside; started by tests/test_faults.py.
 
 The training script itself is unchanged (no test-only code paths in it or in the
 library): this wrapper patches around it, driven by environment variables.
 
     DS_CLUSTER_TEST_KILL_AFTER_STEP=K   the chosen rank SIGKILLs itself right after optimizer step K
     DS_CLUSTER_TEST_KILL_RANK=R         which rank (default 1)
-    DS_CLUSTER_TEST_RANK_ARGS=JSON      per-rank replacements of train.py options, e.g.
+    DS_CLUSTER_TEST_RANK_ARGS=JSON      per-rank replacements of the training script's options, e.g.
                                         {"1": {"--data": "other.jsonl"}}: rank 1 gets other data
 
 The rank is read from RANK, which the deepspeed launcher sets before starting the script.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import sys
-from pathlib import Path
-from types import ModuleType
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 KILL_AFTER_STEP_VAR = "DS_CLUSTER_TEST_KILL_AFTER_STEP"
 KILL_RANK_VAR = "DS_CLUSTER_TEST_KILL_RANK"
 RANK_ARGS_VAR = "DS_CLUSTER_TEST_RANK_ARGS"
-
-
-def load_train_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ds_cluster_train", REPO / "launch" / "train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def replace_options(argv: list[str], replacements: dict[str, str]) -> list[str]:
@@ -67,7 +53,9 @@ def main() -> int:
     argv = replace_options(argv, per_rank.get(rank, {}))
     if KILL_AFTER_STEP_VAR in os.environ and rank == os.environ.get(KILL_RANK_VAR, "1"):
         kill_after_step(int(os.environ[KILL_AFTER_STEP_VAR]))
-    return load_train_script().main(argv)
+    from ds_cluster import train
+
+    return train.main(argv)
 
 
 if __name__ == "__main__":

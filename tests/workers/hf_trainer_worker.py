@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from transformers import TrainingArguments
 
-from transformers import TrainingArguments  # noqa: E402
-
-from ds_cluster import distributed  # noqa: E402
-from ds_cluster.config import load_ds_config  # noqa: E402
-from ds_cluster.data.instructions import load_instruction_dataset  # noqa: E402
-from ds_cluster.hf import ClusterTrainer  # noqa: E402
-from ds_cluster.models import load_model_and_tokenizer  # noqa: E402
+from ds_cluster import distributed
+from ds_cluster.dataset import load_instruction_dataset
+from ds_cluster.ds_config import read_ds_config
+from ds_cluster.integrations.hf import ClusterTrainer
+from ds_cluster.models import load_model_and_tokenizer
 
 
 class TracingClusterTrainer(ClusterTrainer):
@@ -42,7 +39,7 @@ class TracingClusterTrainer(ClusterTrainer):
 
 def training_arguments(config_path: str, out: Path, max_steps: int, save_steps: int) -> TrainingArguments:
     """TrainingArguments that agree with the DeepSpeed config (Trainer rejects any mismatch)."""
-    config, _ = load_ds_config(config_path)
+    config, _ = read_ds_config(config_path)
     optimizer = config["optimizer"]["params"]
     return TrainingArguments(
         output_dir=str(out), deepspeed=config_path, max_steps=max_steps, save_strategy="steps",
@@ -57,6 +54,7 @@ def training_arguments(config_path: str, out: Path, max_steps: int, save_steps: 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--deepspeed", required=True)
+    parser.add_argument("--model", required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-steps", type=int, required=True)
@@ -67,7 +65,7 @@ def main() -> None:
     out = Path(args.out)
     # TrainingArguments first: it starts the process group and, under ZeRO-3, makes the model build partitioned.
     training_args = training_arguments(args.deepspeed, out, args.max_steps, args.save_steps)
-    model, tokenizer = load_model_and_tokenizer("tiny", seed=0)
+    model, tokenizer = load_model_and_tokenizer(args.model)
     dataset = load_instruction_dataset(args.data, tokenizer, max_length=64)
     trainer = TracingClusterTrainer(model=model, args=training_args, train_dataset=dataset)
     (out / "trace").mkdir(parents=True, exist_ok=True)

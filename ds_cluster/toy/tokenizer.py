@@ -13,13 +13,12 @@ import string
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from ds_cluster.dataset import INPUT_HEADER, INSTRUCTION_HEADER, RESPONSE_HEADER
+
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
 
-# The Alpaca headers (see instructions.py); kept here so both agree on the spelling.
-INSTRUCTION_HEADER = "### Instruction:\n"
-INPUT_HEADER = "### Input:\n"
-RESPONSE_HEADER = "### Response:\n"
+# The Alpaca template's headers are one token each: a prompt costs a few tokens more than its text.
 TEMPLATE_TOKENS: tuple[str, ...] = (INSTRUCTION_HEADER, INPUT_HEADER, RESPONSE_HEADER)
 
 # Printable ASCII in code-point order, then newline and tab; \r, \x0b, \x0c are left to <unk>.
@@ -37,7 +36,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     """The character-level tokenizer; ``save_pretrained`` and ``AutoTokenizer`` reload it offline.
 
     It adds no special tokens by itself: callers place ``<s>`` and ``</s>``
-    where they want them (instructions.py does).
+    where they want them (ds_cluster.dataset does).
     """
     assert set(string.printable) - set(CHARACTERS) == {"\r", "\x0b", "\x0c"}
     backend = Tokenizer(models.WordLevel(vocab=_vocabulary(), unk_token=UNK))

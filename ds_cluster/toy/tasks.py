@@ -10,20 +10,20 @@ analysis and is never part of the training text.
 Strings stay short because the tiny model reads characters, not words.
 Everything is derived from one seed through local generators (no global RNG).
 
-Run ``python -m ds_cluster.data.tasks --out DIR --seed S`` to write
+Run ``python -m ds_cluster.toy.tasks --out DIR --seed S`` to write
 ``train.jsonl`` and ``heldout.jsonl``.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import logging
 import os
 import random
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Union
+
+from ds_cluster.dataset import format_prompt, write_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ FAMILIES: tuple[str, ...] = (
     "date_format",
 )
 
-# The shipped default (ds_cluster/data/default) is generate_mixture() with these.
+# The shipped default (DEFAULT_DATA) is generate_mixture() with these.
+DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "default"
 DEFAULT_TOTAL = 3200
 DEFAULT_HELDOUT_PER_FAMILY = 50
 DEFAULT_SKEW = 32.0
@@ -203,11 +204,6 @@ def generate_mixture(
     return train, heldout
 
 
-def check_answer(record: Record, prediction: str) -> bool:
-    """Exact match of the prediction with the gold output, ignoring surrounding whitespace."""
-    return prediction.strip() == record["output"].strip()
-
-
 def generate_pretraining_corpus(seed: int, n: int) -> list[str]:
     """``n`` generic texts over the same characters and formats, but none of the fine-tune tasks.
 
@@ -216,9 +212,6 @@ def generate_pretraining_corpus(seed: int, n: int) -> list[str]:
     copying and free text, so fine-tuning has something to build on without
     having seen the tasks it is evaluated on.
     """
-    # Imported here: instructions.py imports this module, so a top-level import would be circular.
-    from ds_cluster.data.instructions import format_prompt
-
     rng = random.Random(f"ds_cluster.pretrain:{seed}")
 
     def snippet() -> str:
@@ -252,28 +245,6 @@ def generate_pretraining_corpus(seed: int, n: int) -> list[str]:
         else:
             texts.append(". ".join(snippet() for _ in range(rng.randint(1, 3))) + ".")
     return texts
-
-
-def write_jsonl(records: Iterable[Record], path: PathLike) -> None:
-    """Write one JSON object per line, atomically (temp file in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            for record in records:
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-        os.replace(tmp_name, path)
-    except BaseException:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-        raise
-
-
-def read_jsonl(path: PathLike) -> list[Record]:
-    """The records of a JSONL file (blank lines skipped)."""
-    with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,11 +1,11 @@
 """Fine-tune a Hugging Face causal LM with DeepSpeed and cluster-balanced sampling.
 
-    deepspeed --num_gpus 2 launch/train.py --deepspeed ds_configs/zero3.json \\
-        --model tiny-base --data ds_cluster/data/default/train.jsonl --analysis runs/demo/analysis \\
-        --output-dir runs/demo/train --epochs 1
+    deepspeed --num_gpus 2 --module ds_cluster.train --deepspeed ds_configs/zero3.json \\
+        --model ds_cluster/toy/base_model --data ds_cluster/toy/data/default/train.jsonl \\
+        --analysis runs/demo/analysis --output-dir runs/demo/train --epochs 1
 
-Works the same under `mpirun -np N python launch/train.py ...` (rank 0's
-address from MPI or MASTER_ADDR). The one ds_cluster line is
+Works the same under `mpirun -np N python -m ds_cluster.train ...` (rank 0's
+address from MPI or MASTER_ADDR), and is what `ds-cluster train` runs. The one ds_cluster line is
 `ds_cluster.install()`; everything else is a plain DeepSpeed loop with the
 weighted loss. With `--resume`, training continues from the latest
 checkpoint in `--output-dir/checkpoints`, on exactly the sample sequence an
@@ -27,38 +27,33 @@ from typing import Optional
 
 import torch
 
-# Run from a checkout without installing: the repo root on the path.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import ds_cluster  # noqa: E402
-from ds_cluster import distributed  # noqa: E402
-from ds_cluster.config import BLOCK_PATH, load_ds_config  # noqa: E402
-from ds_cluster.data.instructions import load_instruction_dataset  # noqa: E402
-from ds_cluster.features.store import write_json_atomic  # noqa: E402
-from ds_cluster.loss import weighted_causal_lm_loss  # noqa: E402
-from ds_cluster.models import load_model_and_tokenizer  # noqa: E402
+import ds_cluster
+from ds_cluster import distributed
+from ds_cluster.dataset import DEFAULT_MAX_LENGTH, load_instruction_dataset
+from ds_cluster.ds_config import BLOCK_PATH, read_ds_config
+from ds_cluster.fileio import write_json_atomic
+from ds_cluster.loss import weighted_causal_lm_loss
+from ds_cluster.models import load_model_and_tokenizer
 
 logger = logging.getLogger("ds_cluster.train")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--deepspeed", required=True, help="DeepSpeed JSON config with a cluster_sampling block")
-    parser.add_argument("--model", default="tiny-base",
-                        help="'tiny' (fresh tiny Llama), 'tiny-base' (the cached pretrained base) or a local HF checkpoint")
-    parser.add_argument("--data", default="ds_cluster/data/default/train.jsonl",
+    parser.add_argument("--deepspeed", required=True, help="DeepSpeed config (JSON or HJSON) with a cluster_sampling block")
+    parser.add_argument("--model", required=True, help="a local Hugging Face causal-LM checkpoint folder")
+    parser.add_argument("--data", required=True,
                         help="Alpaca-style JSONL (instruction/input/output) or a datasets save_to_disk folder")
     parser.add_argument("--analysis", help="analysis directory (overrides cluster_sampling.analysis_path)")
     parser.add_argument("--output-dir", default="runs/train", help="checkpoints, plan, trace and summary go here")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: no limit)")
-    parser.add_argument("--max-length", type=int, default=96)
+    parser.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH)
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N optimizer steps (0: at the end)")
-    parser.add_argument("--stop-after", type=int, default=0,
-                        help="exit after this many optimizer steps and their checkpoint (to test resume)")
+    parser.add_argument("--test-stop-after", type=int, default=0,
+                        help="for tests of resume: exit after this many optimizer steps and their checkpoint")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
     parser.add_argument("--bf16", action="store_true", help="turn on bf16 in the DeepSpeed config")
-    parser.add_argument("--seed", type=int, default=0, help="model initialisation seed")
     parser.add_argument("--trace", action="store_true", help="write every micro-step's indices and loss per rank")
     parser.add_argument("--save-model", default=None, metavar="DIR",
                         help="at the end, save the trained model and tokenizer as a Hugging Face folder (rank 0; "
@@ -68,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def prepare_config(args: argparse.Namespace) -> dict:
-    config, _ = load_ds_config(args.deepspeed)
+    config, _ = read_ds_config(args.deepspeed)
     config = copy.deepcopy(config)
     block = config
     for key in BLOCK_PATH:
@@ -146,7 +141,7 @@ def main(argv=None) -> int:
     distributed.agree_on_error(ValueError(problem) if problem else None, "checking --output-dir")
     config = prepare_config(args)
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
-    model, tokenizer = load_model_and_tokenizer(args.model, ds_config=config, dtype=dtype, seed=args.seed)
+    model, tokenizer = load_model_and_tokenizer(args.model, ds_config=config, dtype=dtype)
     dataset = load_instruction_dataset(args.data, tokenizer, max_length=args.max_length)
 
     ds_cluster.install()  # the one line: deepspeed.initialize now returns the cluster-balanced loader
@@ -187,9 +182,9 @@ def main(argv=None) -> int:
             if loader.position % micro_per_step:
                 continue  # inside a gradient-accumulation window
             step = engine.global_steps
-            if (args.save_every and step % args.save_every == 0) or (args.stop_after and step >= args.stop_after):
+            if (args.save_every and step % args.save_every == 0) or (args.test_stop_after and step >= args.test_stop_after):
                 engine.save_checkpoint(str(checkpoints))
-            if (args.stop_after and step >= args.stop_after) or (args.max_steps and step >= args.max_steps):
+            if (args.test_stop_after and step >= args.test_stop_after) or (args.max_steps and step >= args.max_steps):
                 done = True
                 break
     elapsed = time.perf_counter() - start

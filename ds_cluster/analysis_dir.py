@@ -1,0 +1,199 @@
+"""The analysis folder: the one owner of its format, with its write, read and check.
+
+An analysis is what the plan is built from::
+
+    features.npy     (N, d) float32 per-sample features (rows L2-normalised unless configured otherwise)
+    labels.npy       (N,) int64 cluster (or category) of every sample, -1 for samples left out
+    centroids.npy    (K, d) float32
+    distances.npy    (N,) distance of every sample to its centroid
+    empty_mask.npy   (N,) bool, samples without response tokens (zero feature rows)
+    manifest.json    what produced it: model, data, fingerprints, feature and clustering settings
+    summary.json     N, num_empty, cluster sizes, kind, dim, timings, category purity
+
+`ds-cluster analyze` (and a training job that finds no analysis) writes all of
+it; a hand-made analysis may hold just `features.npy` and/or `labels.npy`.
+The folder is built under a hidden name next to it and swapped in, so a failed
+write leaves the previous analysis intact.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from ds_cluster.fileio import replace_dir, staging_dir, write_json_atomic, write_npy_atomic
+
+ANALYSIS_FORMAT_VERSION = 1
+STORE_DIRNAME = ".feature_store"
+MANIFEST = "manifest.json"
+SUMMARY = "summary.json"
+
+
+@dataclass
+class PlanInputs:
+    """What the plan is built from: features and/or labels of an analysis, and the samples left out."""
+
+    features: Optional[np.ndarray]
+    labels: Optional[np.ndarray]
+    exclude: Optional[np.ndarray]
+
+
+class AnalysisDir:
+    """An analysis folder on disk (see the module docstring for its files)."""
+
+    def __init__(self, path: Union[str, os.PathLike]) -> None:
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"AnalysisDir({os.fspath(self.path)!r})"
+
+    # ------------------------------------------------------------------ what is there
+    def exists(self) -> bool:
+        """True when the folder holds features.npy or labels.npy (something a plan can be built from)."""
+        return (self.path / "features.npy").is_file() or (self.path / "labels.npy").is_file()
+
+    def manifest(self) -> Optional[dict[str, Any]]:
+        """manifest.json, or None for a hand-made analysis; ValueError when it is unreadable."""
+        return self._json(MANIFEST)
+
+    def summary(self) -> Optional[dict[str, Any]]:
+        return self._json(SUMMARY)
+
+    def store_path(self) -> Path:
+        """Where `ds-cluster analyze` keeps its resumable feature store by default."""
+        return self.path / STORE_DIRNAME
+
+    def num_samples(self) -> int:
+        """N, from the first rows of features.npy or labels.npy (nothing else is read)."""
+        self._require_folder()
+        for name in ("features.npy", "labels.npy"):
+            if (self.path / name).exists():
+                return int(self._array(name, ndim=2 if name == "features.npy" else 1).shape[0])
+        raise FileNotFoundError(f"{self.path} holds neither features.npy nor labels.npy; run `ds-cluster analyze` "
+                                "first")
+
+    # ------------------------------------------------------------------ read and check
+    def load_inputs(self, dataset_size: int, dataset_fingerprint: Optional[str] = None) -> PlanInputs:
+        """features/labels for `build_plan`, checked against the dataset about to be trained on.
+
+        The arrays must have one row per sample; when manifest.json records a
+        dataset fingerprint, it must be `dataset_fingerprint` (an analysis of
+        other data with the same length is refused too).
+        """
+        self._require_folder()
+        features = self._array("features.npy", ndim=2)
+        labels = self._array("labels.npy", ndim=1)
+        if features is None and labels is None:
+            raise FileNotFoundError(f"{self.path} holds neither features.npy nor labels.npy")
+        for name, array in (("features.npy", features), ("labels.npy", labels)):
+            if array is not None and array.shape[0] != dataset_size:
+                raise ValueError(
+                    f"{self.path / name} has {array.shape[0]} rows but the training dataset has {dataset_size} "
+                    "samples: the analysis was made for different data; rerun `ds-cluster analyze` on this dataset")
+        self.check_dataset(dataset_fingerprint)
+        exclude = None
+        if features is not None:
+            if not np.isfinite(features).all():
+                bad_rows = np.flatnonzero(~np.isfinite(features).all(axis=1))
+                raise ValueError(f"{self.path / 'features.npy'} has NaN or inf in {bad_rows.size} rows (first: row "
+                                 f"{int(bad_rows[0])}); rerun `ds-cluster analyze` (in fp32) to recompute the features")
+            # All-zero rows are samples without response tokens: no gradient, so no cluster.
+            exclude = ~np.any(features != 0, axis=1)
+            if not exclude.any():
+                exclude = None
+        if labels is not None and not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"{self.path / 'labels.npy'} must hold integers, got {labels.dtype}")
+        return PlanInputs(features, labels, exclude)
+
+    def check_dataset(self, dataset_fingerprint: Optional[str]) -> None:
+        """Refuse an analysis whose manifest records another dataset than `dataset_fingerprint`."""
+        manifest = self.manifest()
+        recorded = manifest.get("dataset_fingerprint") if manifest else None
+        if recorded and dataset_fingerprint and recorded != dataset_fingerprint:
+            raise ValueError(
+                f"{self.path} is an analysis of another dataset: its {MANIFEST} records dataset_fingerprint "
+                f"{recorded} (data {manifest.get('data')!r}, max_length {manifest.get('max_length')}), the "
+                f"training data has {dataset_fingerprint}. Rerun `ds-cluster analyze` on the training data with "
+                "the same --max-length, or point analysis_path at its analysis")
+
+    def _require_folder(self) -> None:
+        if not self.path.is_dir():
+            raise FileNotFoundError(
+                f"analysis directory {self.path} does not exist (or is not visible to this rank; it must be on a "
+                "filesystem every rank can read); run `ds-cluster analyze` first, or let the training job compute "
+                "it (cluster_sampling.analysis_path pointing at a folder that does not exist yet)")
+
+    def _array(self, name: str, ndim: int) -> Optional[np.ndarray]:
+        path = self.path / name
+        if not path.exists():
+            return None
+        try:
+            array = np.load(path, allow_pickle=False, mmap_mode="r")
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}: unreadable or truncated .npy file ({err}); rerun `ds-cluster analyze`") from None
+        if array.ndim != ndim:
+            raise ValueError(f"{path}: expected a {ndim}-D array, got shape {array.shape}")
+        return np.asarray(array)
+
+    def _json(self, name: str) -> Optional[dict[str, Any]]:
+        path = self.path / name
+        if not path.exists():
+            return None
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}: unreadable or not valid JSON ({err}); rerun `ds-cluster analyze`") from None
+        if not isinstance(document, dict):
+            raise ValueError(f"{path}: expected a JSON object; rerun `ds-cluster analyze`")
+        return document
+
+    # ------------------------------------------------------------------ write
+    def write(self, arrays: dict[str, np.ndarray], manifest: dict[str, Any], summary: dict[str, Any],
+              store: Optional[Path] = None) -> None:
+        """Write a whole analysis and swap it in for the folder's current content.
+
+        A feature store kept inside the folder (`store`) is moved into the new one.
+        """
+        manifest = {"format_version": ANALYSIS_FORMAT_VERSION, **manifest}
+        staging = staging_dir(self.path)
+        carried = store is not None and store.exists() and store.parent.resolve() == self.path.resolve()
+        try:
+            try:
+                for name, array in arrays.items():
+                    write_npy_atomic(staging / name, array)
+                write_json_atomic(staging / MANIFEST, manifest)
+                write_json_atomic(staging / SUMMARY, summary)
+            except OSError as err:
+                raise self._write_error(err, staging, arrays) from err
+            if carried:
+                os.rename(store, staging / store.name)
+            try:
+                replace_dir(staging, self.path)
+            except BaseException:
+                if carried and not store.exists():
+                    os.rename(staging / store.name, store)
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _write_error(self, err: OSError, staging: Path, arrays: dict[str, np.ndarray]) -> OSError:
+        """The write error with what it means: numpy reports a full disk only as "N requested and M written"."""
+        needed = sum(int(array.nbytes) for array in arrays.values())
+        written = sum(path.stat().st_size for path in staging.iterdir() if path.is_file())
+        free = shutil.disk_usage(staging).free
+        full = err.errno == errno.ENOSPC or free < needed - written
+        if full:
+            cause = (f"No space left on device: {free} bytes free in {self.path.parent}, the new analysis needs "
+                     f"about {needed} (and the previous one stays until it is replaced); free space or choose "
+                     "another --out")
+        else:
+            cause = f"{err.strerror or err}; choose another --out"
+        code = errno.ENOSPC if full else (err.errno or errno.EIO)
+        return OSError(code, f"cannot write the analysis {self.path}: {cause}. The previous analysis there, if any, "
+                             "is unchanged")

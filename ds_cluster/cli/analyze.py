@@ -1,0 +1,102 @@
+"""`ds-cluster analyze`: gradient features with a DeepSpeed engine, k-means, and an analysis folder."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from ds_cluster.cli.common import FORMATTER, add_launcher_options, input_error, logger
+
+EXAMPLE = """\
+examples:
+  # 2 ranks, ZeRO-3, a local checkpoint on a JSONL file of Alpaca records:
+  deepspeed --num_gpus 2 --module ds_cluster.cli analyze --deepspeed ds_configs/zero3.json \\
+      --model ds_cluster/toy/base_model --data data/train.jsonl --out runs/analysis
+
+  # the same under Open MPI:
+  mpirun -np 2 python -m ds_cluster.cli analyze --deepspeed ds_configs/zero3.json \\
+      --model ds_cluster/toy/base_model --data data/train.jsonl --out runs/analysis --kind lm_head --dim 1024
+
+A rerun reuses the finished feature shards in OUT/.feature_store (or --store);
+a rerun with other settings stops with an error naming them unless --recompute.
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "analyze", formatter_class=FORMATTER, epilog=EXAMPLE,
+        help="extract per-sample gradient features with DeepSpeed, cluster them, write an analysis directory",
+        description="Run on every rank (deepspeed launcher or mpirun): the ranks share one forward pass\n"
+                    "over the data under the config's ZeRO stage; rank 0 clusters the features (K from the\n"
+                    "config's cluster_sampling block, 'auto' = world size) and writes OUT atomically:\n"
+                    "features.npy, labels.npy, centroids.npy, distances.npy, empty_mask.npy,\n"
+                    "manifest.json, summary.json.")
+    parser.add_argument("--deepspeed", required=True, metavar="CONFIG",
+                        help="DeepSpeed config (JSON or HJSON); its ZeRO stage shards the model, its "
+                             "data_efficiency.data_sampling.cluster_sampling block sets K, seed and features")
+    parser.add_argument("--model", required=True, metavar="PATH",
+                        help="a local Hugging Face causal-LM checkpoint folder (config, weights, tokenizer)")
+    parser.add_argument("--data", required=True, metavar="DATA",
+                        help="Alpaca-style JSONL file (instruction, input, output[, family]) or a "
+                             "datasets save_to_disk folder")
+    parser.add_argument("--out", required=True, metavar="DIR", help="analysis directory to write (replaced atomically)")
+    parser.add_argument("--kind", choices=("proxy", "lm_head", "layers"), default=None,
+                        help="feature: 'proxy' = mean (p_t - 1) h_t (the paper's, d = hidden size), 'lm_head' = "
+                             "the exact output-layer gradient randomly projected to --dim (default: the config's "
+                             "feature_kind)")
+    parser.add_argument("--dim", type=int, default=None,
+                        help="projected dimension for --kind lm_head (default: config feature_dim, else 1024)")
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per forward pass on each rank (default 8)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="tokens per sample, longer ones are truncated (default: the dataset loader's, 96)")
+    parser.add_argument("--store", default=None, metavar="DIR",
+                        help="feature store folder, visible to every rank (default OUT/.feature_store)")
+    parser.add_argument("--shard-size", type=int, default=None,
+                        help="samples per store shard: the work lost by a crash (default 512)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="discard the feature store and recompute every feature")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_launcher_options(parser, argparse.SUPPRESS)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    import deepspeed
+
+    from ds_cluster.analysis import analyze, forward_only_config
+    from ds_cluster.config import ClusterSamplingConfig
+    from ds_cluster.dataset import DEFAULT_MAX_LENGTH, load_instruction_dataset
+    from ds_cluster.distributed import get_rank, init_distributed, shutdown
+    from ds_cluster.ds_config import read_ds_config
+    from ds_cluster.features.store import DEFAULT_SHARD_SIZE
+    from ds_cluster.models import load_model_and_tokenizer
+
+    started = time.perf_counter()
+    init_distributed()
+    try:
+        ds_config, source = read_ds_config(args.deepspeed)
+        settings = ClusterSamplingConfig.from_ds_config(ds_config)
+        engine_config = forward_only_config(ds_config)
+        max_length = args.max_length or DEFAULT_MAX_LENGTH
+        model, tokenizer = load_model_and_tokenizer(args.model, ds_config=engine_config)
+        dataset = load_instruction_dataset(args.data, tokenizer, max_length=max_length)
+        engine, *_ = deepspeed.initialize(model=model, config=engine_config)
+        loaded = time.perf_counter()
+        summary = analyze(engine, dataset, args.out, settings, kind=args.kind, dim=args.dim,
+                          batch_size=args.batch_size, store_dir=args.store, recompute=args.recompute,
+                          shard_size=args.shard_size or DEFAULT_SHARD_SIZE, show_progress=not args.no_progress,
+                          provenance={"model": os.fspath(args.model), "data": os.fspath(args.data),
+                                      "max_length": max_length, "ds_config": source})
+    except (ValueError, FileNotFoundError) as err:
+        # Bad input (config, data, a store made with other settings): a message, not a traceback.
+        return input_error("analyze", err)
+    finally:
+        shutdown()
+    if get_rank() == 0:
+        purity = f", family purity {summary['purity']:.3f}" if "purity" in summary else ""
+        logger.info("%s: %d samples (%d without response tokens), %s d=%d, cluster sizes %s%s; load %.1f s, "
+                    "total %.1f s", args.out, summary["num_samples"], summary["num_empty"], summary["kind"],
+                    summary["dim"], summary["cluster_sizes"], purity, loaded - started,
+                    time.perf_counter() - started)
+    return 0

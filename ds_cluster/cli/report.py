@@ -1,0 +1,74 @@
+"""`ds-cluster report`: an HTML page with plots of a plan, its schedule and the features."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from ds_cluster.cli.common import FORMATTER, add_plan_inputs, build_plan_from_args, input_error, logger
+
+EXAMPLE = """\
+examples:
+  ds-cluster report --analysis runs/demo/analysis --deepspeed ds_configs/zero3.json \\
+      --world-size 2 --out runs/demo/report
+  # then open runs/demo/report/index.html (no network, no script needed)
+
+The folder holds index.html and PNG plots: cluster sizes against kept sizes, the weight
+distribution, the samples of each cluster per rank and step of epoch 0, a 2-D PCA projection of
+the features coloured by cluster, and, when the analysed data has a `family` column (the
+manifest's data path, or --data), clusters against families with their purity.
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "report", formatter_class=FORMATTER, epilog=EXAMPLE,
+        help="write an HTML report (index.html + PNG plots) of the plan built from an analysis",
+        description="Build the plan as `ds-cluster plan` does and write a self-contained HTML page\n"
+                    "with plots of what it keeps, weights and schedules, and of the features.")
+    add_plan_inputs(parser)
+    parser.add_argument("--out", required=True, metavar="DIR", help="folder for index.html and the PNG files")
+    parser.add_argument("--data", default=None, metavar="DATA",
+                        help="records with a `family` field, one per analysed sample (default: the data path in "
+                             "the analysis's manifest.json)")
+    parser.add_argument("--max-points", type=int, default=4000,
+                        help="samples drawn for the 2-D projection (default 4000; a seeded random subset)")
+    parser.set_defaults(handler=run)
+
+
+def read_families(analysis: Path, data: Optional[str], num_samples: int) -> Optional[list[str]]:
+    """The `family` of every analysed sample, or None when the data has none (or cannot be found)."""
+    from ds_cluster.analysis_dir import AnalysisDir
+    from ds_cluster.dataset import read_records
+
+    if data is None:
+        manifest = AnalysisDir(analysis).manifest()
+        data = manifest.get("data") if manifest else None
+    if not data or not Path(data).exists():
+        if data:
+            logger.warning("data %s not found: the report has no cluster-versus-family table", data)
+        return None
+    families = [str(record.get("family", "")) for record in read_records(data)]
+    if len(families) != num_samples:
+        logger.warning("%s has %d records but the analysis %d samples: no family table", data, len(families),
+                       num_samples)
+        return None
+    return families if any(families) else None
+
+
+def run(args: argparse.Namespace) -> int:
+    from ds_cluster.report import write_report
+
+    analysis = Path(args.analysis)
+    try:
+        plan, inputs = build_plan_from_args(args)
+        families = read_families(analysis, args.data, plan.num_samples)
+    except (ValueError, FileNotFoundError) as err:
+        return input_error("report", err)
+    index = write_report(args.out, plan, features=inputs.features, families=families,
+                         title=f"ds_cluster report: {analysis}",
+                         sources={"analysis": str(analysis), "DeepSpeed config": str(args.deepspeed)},
+                         max_projection_points=args.max_points)
+    sys.stdout.write(f"report: {index}\n")
+    return 0
