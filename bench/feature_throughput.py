@@ -54,7 +54,7 @@ def _train_epoch(engine, dataset, batch_size: int, rank: int, world_size: int, l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--local_rank", type=int, default=0)
-    parser.add_argument("--model", default="tiny-base", help="'tiny-base' (pretrained tiny, built once), 'tiny' or a folder")
+    parser.add_argument("--model", default=None, help="a checkpoint folder (default: the toy base model)")
     parser.add_argument("--total", type=int, default=3200, help="records of the synthetic instruction mixture")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=96)
@@ -66,11 +66,12 @@ def main() -> None:
     import deepspeed
     import torch
 
-    from ds_cluster.data.instructions import load_instruction_dataset
-    from ds_cluster.data.tasks import generate_mixture
+    from ds_cluster.dataset import load_instruction_dataset
     from ds_cluster.distributed import all_gather_object, get_rank, get_world_size, init_distributed, shutdown
     from ds_cluster.features.extract import run_extraction
     from ds_cluster.models import load_model_and_tokenizer
+    from ds_cluster.toy.models import base_model_path
+    from ds_cluster.toy.tasks import generate_mixture
 
     init_distributed()
     rank, world_size = get_rank(), get_world_size()
@@ -80,7 +81,7 @@ def main() -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
         "steps_per_print": 10**9,
     }
-    model, tokenizer = load_model_and_tokenizer(args.model, ds_config=ds_config)
+    model, tokenizer = load_model_and_tokenizer(args.model or base_model_path(), ds_config=ds_config)
     records, _ = generate_mixture(seed=0, total=args.total)
     dataset = load_instruction_dataset(records, tokenizer, max_length=args.max_length)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)

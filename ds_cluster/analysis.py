@@ -75,10 +75,11 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
     error: Optional[BaseException] = None
     if rank == 0:
         try:
+            # The training config's stage when the caller names it (a forward-only engine runs 1 and 2 as 0).
             stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
             _cluster_and_write(folder, extraction, dataset, settings, world_size, store_path,
                                timings={"extract": extracted - started}, started=started,
-                               provenance={**(provenance or {}), "zero_stage": stage})
+                               provenance={"zero_stage": stage, **(provenance or {})})
         except (ValueError, OSError, RuntimeError) as err:
             error = err
     # Also the barrier: rank 0 has finished writing the folder when this gather completes.

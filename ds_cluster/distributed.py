@@ -4,6 +4,7 @@ This is one of the two ends of the pipeline allowed to touch torch.distributed.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -124,6 +125,11 @@ def release_shared_memory_buffer() -> None:
     leaks it until /dev/shm (RAM) is full. Each rank maps its peers' buffers
     while the process group starts, so after a barrier the names can go; the
     mappings stay valid until the processes exit, even if they are killed.
+
+    Collective: call it on every rank, at any point after DeepSpeed's
+    communication backend exists (a second call is harmless). The name is
+    also unlinked at interpreter exit, for a backend created after the last
+    call.
     """
     import torch.distributed as dist
 
@@ -131,10 +137,9 @@ def release_shared_memory_buffer() -> None:
         return
     if dist.get_world_size() > 1:
         dist.barrier()
-    try:
-        os.unlink(shared_memory_buffer_path(dist.get_rank()))
-    except FileNotFoundError:
-        pass
+    path = Path(shared_memory_buffer_path(dist.get_rank()))
+    path.unlink(missing_ok=True)
+    atexit.register(path.unlink, missing_ok=True)
 
 
 def free_port() -> int:

@@ -247,21 +247,11 @@ def build_plan(
                                   distances=distances if has_geometry else None, norms=norms, seed=config.seed)
     weights = sample_weights(full_labels, selected, cluster_sizes, kept_sizes, config.weighting)
 
-    plan = Plan(
-        labels=full_labels,
-        centroids=clusters.centroids,
-        distances=distances,
-        selected=selected,
-        weights=weights,
-        cluster_sizes=cluster_sizes,
-        kept_sizes=kept_sizes,
-        world_size=int(world_size),
-        micro_batch_size=int(micro_batch_size),
-        gradient_accumulation_steps=int(gradient_accumulation_steps),
-        allocation=config.allocation,
-        seed=config.seed,
-        settings=config.model_dump(exclude={"enabled", "analysis_path", "preset"}),
-    )
+    plan = Plan(labels=full_labels, centroids=clusters.centroids, distances=distances, selected=selected,
+                weights=weights, cluster_sizes=cluster_sizes, kept_sizes=kept_sizes, world_size=int(world_size),
+                micro_batch_size=int(micro_batch_size), gradient_accumulation_steps=int(gradient_accumulation_steps),
+                allocation=config.allocation, seed=config.seed,
+                settings=config.model_dump(exclude={"enabled", "analysis_path", "preset"}))
     if plan.steps_per_epoch < 1:
         raise ValueError(
             f"the kept subset ({plan.num_kept} samples, smallest cluster keeps {int(kept_sizes.min())}) is smaller "

@@ -17,7 +17,10 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from ds_cluster.clustering import category_counts, purity
+from ds_cluster.fileio import write_text_atomic
 from ds_cluster.plan import Plan
+from ds_cluster.plots import (plot_cluster_sizes, plot_family_heatmap, plot_projection, plot_rank_step_heatmap,
+                              plot_weights)
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +165,6 @@ def cluster_family_counts(labels: np.ndarray, families: Sequence[str],
 
 
 # --------------------------------------------------------------------------- the HTML report
-MAX_HEATMAP_RANKS = 8
-MAX_HEATMAP_STEPS = 160
 _CSS = """
 body { font-family: sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ccc; }
@@ -173,119 +174,6 @@ th { background: #f0f0f0; } td.name, th.name { text-align: left; }
 img { max-width: 100%; border: 1px solid #eee; }
 p.note { color: #555; font-size: 0.9em; }
 """
-
-
-def _new_figure(width: float, height: float):
-    # The object-oriented API needs no pyplot and no global backend: the PNG is drawn by Agg.
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
-
-
-def _save(figure, path: Path) -> str:
-    figure.savefig(path, format="png", metadata={"Software": None})
-    return path.name
-
-
-def plot_cluster_sizes(plan: Plan, path: Path) -> str:
-    figure = _new_figure(8, 3.5)
-    axes = figure.subplots()
-    clusters = np.arange(plan.num_clusters)
-    axes.bar(clusters - 0.2, plan.cluster_sizes, width=0.4, label="size", color="#9ecae1")
-    axes.bar(clusters + 0.2, plan.kept_sizes, width=0.4, label="kept", color="#3182bd")
-    axes.set_xlabel("cluster")
-    axes.set_ylabel("samples")
-    axes.set_title(f"cluster sizes and kept samples ({plan.num_kept} of {plan.num_samples} kept)")
-    if plan.num_clusters <= 40:
-        axes.set_xticks(clusters)
-    axes.legend()
-    return _save(figure, path)
-
-
-def plot_weights(plan: Plan, path: Path) -> str:
-    summary = plan.summary()
-    weights = plan.weights[plan.selected]
-    figure = _new_figure(8, 3.2)
-    axes = figure.subplots()
-    axes.hist(weights, bins=min(50, max(5, plan.num_clusters * 2)), color="#6baed6", edgecolor="#08519c")
-    axes.axvline(1.0, color="#a50f15", linestyle="--", label="weight 1")
-    axes.set_xlabel("loss weight of a kept sample")
-    axes.set_ylabel("kept samples")
-    axes.set_title(f"weights {summary['weight_min']:.3f}..{summary['weight_max']:.3f}, effective sample size "
-                   f"{summary['effective_sample_size']:.0f} of {plan.num_kept}")
-    axes.legend()
-    return _save(figure, path)
-
-
-def plot_rank_step_heatmap(counts: np.ndarray, path: Path) -> str:
-    """One panel per rank (at most MAX_HEATMAP_RANKS): clusters up, steps across, colour = samples."""
-    from matplotlib.ticker import MaxNLocator
-
-    steps, world, num_clusters = counts.shape
-    ranks = min(world, MAX_HEATMAP_RANKS)
-    shown = counts[:MAX_HEATMAP_STEPS, :ranks]
-    figure = _new_figure(9, 1.2 + ranks * max(0.9, min(2.5, 0.12 * num_clusters)))
-    panels = np.atleast_1d(figure.subplots(ranks, 1, sharex=True, squeeze=False)[:, 0])
-    vmax = max(int(shown.max()) if shown.size else 1, 1)
-    image = None
-    for rank, axes in enumerate(panels):
-        image = axes.imshow(shown[:, rank, :].T, aspect="auto", interpolation="nearest", cmap="viridis",
-                            vmin=0, vmax=vmax, origin="lower")
-        axes.set_ylabel(f"rank {rank}\ncluster")
-        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axes.yaxis.set_major_locator(MaxNLocator(integer=True))
-    panels[-1].set_xlabel("optimizer step (epoch 0)")
-    title = f"samples of each cluster per rank and step: {steps} steps, {world} ranks"
-    if steps > MAX_HEATMAP_STEPS or world > ranks:
-        title += f" (first {min(steps, MAX_HEATMAP_STEPS)} steps, {ranks} ranks shown)"
-    panels[0].set_title(title)
-    if image is not None:
-        figure.colorbar(image, ax=list(panels), label="samples")
-    return _save(figure, path)
-
-
-def plot_projection(plan: Plan, rows: np.ndarray, coords: np.ndarray, explained: np.ndarray, path: Path) -> str:
-    figure = _new_figure(7, 6)
-    axes = figure.subplots()
-    labels = plan.labels[rows]
-    kept = plan.weights[rows] > 0
-    colours = _cluster_colours(plan.num_clusters)
-    for cluster in range(plan.num_clusters):
-        mine = labels == cluster
-        axes.scatter(coords[mine & ~kept, 0], coords[mine & ~kept, 1], s=6, color=colours[cluster], alpha=0.2)
-        axes.scatter(coords[mine & kept, 0], coords[mine & kept, 1], s=10, color=colours[cluster],
-                     label=f"cluster {cluster}" if plan.num_clusters <= 16 else None)
-    axes.set_xlabel(f"PC 1 ({100 * explained[0]:.1f}% of variance)")
-    axes.set_ylabel(f"PC 2 ({100 * explained[1]:.1f}% of variance)")
-    axes.set_title(f"features, 2-D PCA of {len(rows)} samples (faint: not kept)")
-    if plan.num_clusters <= 16:
-        axes.legend(fontsize="small", markerscale=1.5)
-    return _save(figure, path)
-
-
-def plot_family_heatmap(names: list[str], counts: np.ndarray, purity: float, path: Path) -> str:
-    num_clusters = counts.shape[0]
-    figure = _new_figure(max(5, 0.6 * len(names) + 2), max(3, 0.35 * num_clusters + 1.5))
-    axes = figure.subplots()
-    image = axes.imshow(counts, aspect="auto", interpolation="nearest", cmap="Blues")
-    axes.set_xticks(np.arange(len(names)), labels=names, rotation=45, ha="right")
-    axes.set_yticks(np.arange(num_clusters))
-    axes.set_ylabel("cluster")
-    axes.set_title(f"clusters against families (purity {purity:.3f})")
-    if counts.size <= 400:
-        threshold = counts.max() / 2 if counts.size else 0
-        for (row, col), value in np.ndenumerate(counts):
-            axes.text(col, row, str(value), ha="center", va="center", fontsize=7,
-                      color="white" if value > threshold else "black")
-    figure.colorbar(image, ax=axes, label="samples")
-    return _save(figure, path)
-
-
-def _cluster_colours(num_clusters: int) -> list:
-    from matplotlib import colormaps
-
-    palette = colormaps["tab20" if num_clusters > 10 else "tab10"]
-    return [palette(i % palette.N) for i in range(num_clusters)]
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], names: int = 1) -> str:
@@ -302,6 +190,65 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], names: int = 1)
 
 def _figure(name: str, alt: str) -> str:
     return f'<p><img src="{html.escape(name)}" alt="{html.escape(alt)}"></p>'
+
+
+def _plan_section(plan: Plan, out: Path) -> list[str]:
+    summary = plan.summary()
+    coverage = schedule_coverage(plan, epoch=0)
+    weight_of = np.zeros(plan.num_clusters)
+    weight_of[plan.labels[plan.selected]] = plan.weights[plan.selected]
+    return [
+        "<h2>Plan</h2>",
+        _table(["", "value"], [
+            ("samples", summary["num_samples"]),
+            ("left out (no response tokens)", summary["num_excluded"]),
+            ("clusters", summary["num_clusters"]),
+            ("kept", f"{summary['num_kept']} ({100 * summary['kept_fraction']:.1f}%)"),
+            ("weights", f"{summary['weight_min']:.3f} .. {summary['weight_max']:.3f}"),
+            ("effective sample size", f"{summary['effective_sample_size']:.1f}"),
+            ("batch", f"world {summary['world_size']} x micro {summary['micro_batch_size']} x accumulation "
+                      f"{summary['gradient_accumulation_steps']} = {summary['global_batch_size']}"),
+            ("steps per epoch", summary["steps_per_epoch"]),
+            ("allocation", summary["allocation"]),
+            ("clusters per global step (epoch 0)",
+             f"min {coverage['clusters_per_step_min']}, mean {coverage['clusters_per_step_mean']:.2f}"),
+            ("clusters per rank and step (epoch 0)",
+             f"min {coverage['clusters_per_rank_step_min']}, mean {coverage['clusters_per_rank_step_mean']:.2f}"),
+            ("plan fingerprint", summary["fingerprint"]),
+        ]),
+        _table(["cluster", "size", "kept", "weight"], [
+            (c, int(plan.cluster_sizes[c]), int(plan.kept_sizes[c]), f"{weight_of[c]:.3f}")
+            for c in range(plan.num_clusters)]),
+        _figure(plot_cluster_sizes(plan, out / "cluster_sizes.png"), "cluster sizes against kept sizes"),
+        _figure(plot_weights(plan, out / "weights.png"), "distribution of sample weights"),
+    ]
+
+
+def _features_section(plan: Plan, features: Optional[np.ndarray], max_points: int, out: Path) -> list[str]:
+    parts = ["<h2>Features</h2>"]
+    included = np.flatnonzero(plan.labels >= 0)
+    if features is not None and included.size >= 2:
+        rows, coords, explained = pca_projection(features, included, max_points=max_points, seed=plan.seed)
+        parts.append(_figure(plot_projection(plan, rows, coords, explained, out / "projection.png"),
+                             "2-D projection of the features coloured by cluster"))
+    else:
+        parts.append('<p class="note">No features in the analysis (labels only): no projection.</p>')
+    return parts
+
+
+def _families_section(plan: Plan, families: Optional[Sequence[str]], out: Path) -> list[str]:
+    parts = ["<h2>Clusters and families</h2>"]
+    if families is None or len(families) != plan.num_samples or not any(families):
+        parts.append('<p class="note">The data has no family/category column: no cluster-versus-family table.</p>')
+        return parts
+    names, family_counts, purity_value = cluster_family_counts(plan.labels, families, plan.num_clusters)
+    parts.append(f"<p>Purity {purity_value:.3f}: the share of samples in their cluster's most common family.</p>")
+    parts.append(_figure(plot_family_heatmap(names, family_counts, purity_value, out / "families.png"),
+                         "heat map of clusters against families"))
+    majority = [names[int(row.argmax())] if row.sum() else "" for row in family_counts]
+    parts.append(_table(["cluster", "majority", *names],
+                        [(c, majority[c], *family_counts[c].tolist()) for c in range(plan.num_clusters)], names=2))
+    return parts
 
 
 def write_report(
@@ -322,68 +269,20 @@ def write_report(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = plan.summary()
-    counts = cluster_counts_per_rank_step(plan, epoch=0)
-    coverage = schedule_coverage(plan, epoch=0)
-    weight_of = np.zeros(plan.num_clusters)
-    weight_of[plan.labels[plan.selected]] = plan.weights[plan.selected]
-
     parts = [f"<h1>{html.escape(title)}</h1>"]
     if sources:
         parts.append(_table(["input", "value"], sorted(sources.items()), names=2))
-    parts.append("<h2>Plan</h2>")
-    parts.append(_table(["", "value"], [
-        ("samples", summary["num_samples"]),
-        ("left out (no response tokens)", summary["num_excluded"]),
-        ("clusters", summary["num_clusters"]),
-        ("kept", f"{summary['num_kept']} ({100 * summary['kept_fraction']:.1f}%)"),
-        ("weights", f"{summary['weight_min']:.3f} .. {summary['weight_max']:.3f}"),
-        ("effective sample size", f"{summary['effective_sample_size']:.1f}"),
-        ("batch", f"world {summary['world_size']} x micro {summary['micro_batch_size']} x accumulation "
-                  f"{summary['gradient_accumulation_steps']} = {summary['global_batch_size']}"),
-        ("steps per epoch", summary["steps_per_epoch"]),
-        ("allocation", summary["allocation"]),
-        ("clusters per global step (epoch 0)",
-         f"min {coverage['clusters_per_step_min']}, mean {coverage['clusters_per_step_mean']:.2f}"),
-        ("clusters per rank and step (epoch 0)",
-         f"min {coverage['clusters_per_rank_step_min']}, mean {coverage['clusters_per_rank_step_mean']:.2f}"),
-        ("plan fingerprint", summary["fingerprint"]),
-    ]))
-    parts.append(_table(["cluster", "size", "kept", "weight"], [
-        (c, int(plan.cluster_sizes[c]), int(plan.kept_sizes[c]), f"{weight_of[c]:.3f}")
-        for c in range(plan.num_clusters)]))
-    parts.append(_figure(plot_cluster_sizes(plan, out / "cluster_sizes.png"), "cluster sizes against kept sizes"))
-    parts.append(_figure(plot_weights(plan, out / "weights.png"), "distribution of sample weights"))
-
+    parts += _plan_section(plan, out)
     parts.append("<h2>Schedule: samples of each cluster per rank and step</h2>")
-    parts.append(_figure(plot_rank_step_heatmap(counts, out / "rank_step_heatmap.png"),
+    parts.append(_figure(plot_rank_step_heatmap(cluster_counts_per_rank_step(plan, epoch=0),
+                                                out / "rank_step_heatmap.png"),
                          "heat map of cluster counts per rank per step"))
-
-    parts.append("<h2>Features</h2>")
-    included = np.flatnonzero(plan.labels >= 0)
-    if features is not None and included.size >= 2:
-        rows, coords, explained = pca_projection(features, included, max_points=max_projection_points, seed=plan.seed)
-        parts.append(_figure(plot_projection(plan, rows, coords, explained, out / "projection.png"),
-                             "2-D projection of the features coloured by cluster"))
-    else:
-        parts.append('<p class="note">No features in the analysis (labels only): no projection.</p>')
-
-    parts.append("<h2>Clusters and families</h2>")
-    if families is not None and len(families) == plan.num_samples and any(families):
-        names, family_counts, purity = cluster_family_counts(plan.labels, families, plan.num_clusters)
-        parts.append(f"<p>Purity {purity:.3f}: the share of samples in their cluster's most common family.</p>")
-        parts.append(_figure(plot_family_heatmap(names, family_counts, purity, out / "families.png"),
-                             "heat map of clusters against families"))
-        majority = [names[int(row.argmax())] if row.sum() else "" for row in family_counts]
-        parts.append(_table(["cluster", "majority", *names],
-                            [(c, majority[c], *family_counts[c].tolist()) for c in range(plan.num_clusters)], names=2))
-    else:
-        parts.append('<p class="note">The data has no family/category column: no cluster-versus-family table.</p>')
-
+    parts += _features_section(plan, features, max_projection_points, out)
+    parts += _families_section(plan, families, out)
     document = ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
                 f"<title>{html.escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
                 + "\n".join(parts) + "\n</body>\n</html>\n")
     index = out / "index.html"
-    index.write_text(document, encoding="utf-8")
+    write_text_atomic(index, document)
     logger.info("report written to %s", index)
     return index

@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -126,6 +126,46 @@ def output_dir_problem(output: Path) -> Optional[str]:
     return None
 
 
+def train_loop(args: argparse.Namespace, engine: Any, loader: Any, output: Path, rank: int
+               ) -> tuple[list[float], float, float]:
+    """The plain DeepSpeed loop with the weighted loss: (per-micro-step losses, wall s, this rank's CPU s)."""
+    checkpoints = output / "checkpoints"
+    trace = None
+    if args.trace:
+        (output / "trace").mkdir(parents=True, exist_ok=True)
+        trace = open(output / "trace" / f"rank{rank}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+    losses: list[float] = []
+    micro_per_step = engine.gradient_accumulation_steps()
+    start = time.perf_counter()
+    cpu_start = time.process_time()  # this rank's CPU (all its threads): the machine may be shared
+    done = False
+    while not done and loader.completed_epochs < args.epochs:
+        for batch in loader:
+            record = {"epoch": loader.epoch, "micro": loader.position - 1}
+            inputs = {k: v.to(engine.device) for k, v in batch.items()}
+            outputs = engine(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+            loss = weighted_causal_lm_loss(outputs, inputs)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach().float()))
+            if trace is not None:
+                record.update(step=engine.global_steps, indices=batch["sample_index"].tolist(), loss=losses[-1])
+                trace.write(json.dumps(record) + "\n")
+                trace.flush()
+            if loader.position % micro_per_step:
+                continue  # inside a gradient-accumulation window
+            step = engine.global_steps
+            stopping_for_test = bool(args.test_stop_after) and step >= args.test_stop_after
+            if (args.save_every and step % args.save_every == 0) or stopping_for_test:
+                engine.save_checkpoint(str(checkpoints))
+            if stopping_for_test or (args.max_steps and step >= args.max_steps):
+                done = True
+                break
+    if trace is not None:
+        trace.close()
+    return losses, time.perf_counter() - start, time.process_time() - cpu_start
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -157,38 +197,7 @@ def main(argv=None) -> int:
         engine.load_checkpoint(str(checkpoints))
         logger.info("resumed at step %d", engine.global_steps)
 
-    trace = None
-    if args.trace:
-        (output / "trace").mkdir(parents=True, exist_ok=True)
-        trace = open(output / "trace" / f"rank{rank}.jsonl", "a", encoding="utf-8")
-    losses: list[float] = []
-    micro_per_step = engine.gradient_accumulation_steps()
-    start = time.perf_counter()
-    cpu_start = time.process_time()  # this rank's CPU (all its threads): the machine may be shared
-    done = False
-    while not done and loader.completed_epochs < args.epochs:
-        for batch in loader:
-            record = {"epoch": loader.epoch, "micro": loader.position - 1}
-            inputs = {k: v.to(engine.device) for k, v in batch.items()}
-            outputs = engine(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
-            loss = weighted_causal_lm_loss(outputs, inputs)
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach().float()))
-            if trace is not None:
-                record.update(step=engine.global_steps, indices=batch["sample_index"].tolist(), loss=losses[-1])
-                trace.write(json.dumps(record) + "\n")
-                trace.flush()
-            if loader.position % micro_per_step:
-                continue  # inside a gradient-accumulation window
-            step = engine.global_steps
-            if (args.save_every and step % args.save_every == 0) or (args.test_stop_after and step >= args.test_stop_after):
-                engine.save_checkpoint(str(checkpoints))
-            if (args.test_stop_after and step >= args.test_stop_after) or (args.max_steps and step >= args.max_steps):
-                done = True
-                break
-    elapsed = time.perf_counter() - start
-    cpu_elapsed = time.process_time() - cpu_start
+    losses, elapsed, cpu_elapsed = train_loop(args, engine, loader, output, rank)
     digest = parameter_digest(engine)
     if args.save_model:
         save_hf_model(engine, tokenizer, Path(args.save_model), rank)
@@ -201,8 +210,6 @@ def main(argv=None) -> int:
         logger.info("done: %d steps in %.1f s, final loss %.4f, kept %s of %s samples", engine.global_steps,
                     elapsed, losses[-1] if losses else float("nan"), plan_summary.get("num_kept"),
                     plan_summary.get("num_samples"))
-    if trace is not None:
-        trace.close()
     del engine, loader
     gc.collect()
     distributed.shutdown()

@@ -98,3 +98,8 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
             f"job exited {result.returncode}\n--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
         )
     return result
+
+
+def shm_buffers() -> set:
+    """DeepSpeed's CPU shm all-reduce buffers now in /dev/shm (each ~66 MB; none may outlive its job)."""
+    return set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))

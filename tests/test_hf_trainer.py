@@ -9,7 +9,7 @@ import pytest
 from ds_cluster import ClusterSamplingConfig, Plan, build_plan
 from ds_cluster.analysis_dir import AnalysisDir
 from ds_cluster.integrations.hf import SAMPLER_STATE_FILE
-from tests.launching import REPO, check, run_deepspeed
+from tests.launching import REPO, check, run_deepspeed, shm_buffers
 from tests.training import read_trace
 
 WORKER = REPO / "tests" / "workers" / "hf_trainer_worker.py"
@@ -51,8 +51,16 @@ def worker_args(job: Path, config: Path, out: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def uninterrupted_run(small_job: Path, trainer_config: Path, tmp_path_factory) -> Path:  # noqa: F811
     out = tmp_path_factory.mktemp("hf_whole")
+    before = shm_buffers()
     check(run_deepspeed(worker_args(small_job, trainer_config, out), nproc=WORLD, timeout=300))
+    (out / "shm_left.json").write_text(json.dumps(sorted(str(path) for path in shm_buffers() - before)))
     return out
+
+
+@pytest.mark.integration
+def test_a_trainer_job_leaves_no_shared_memory_behind(uninterrupted_run: Path):
+    """Trainer starts DeepSpeed's CPU shm all-reduce (~66 MB per rank in /dev/shm) itself; ClusterTrainer unlinks it."""
+    assert json.loads((uninterrupted_run / "shm_left.json").read_text()) == []
 
 
 @pytest.mark.integration

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ds_cluster import ClusterSamplingConfig, build_plan
-from tests.launching import REPO, check, run_deepspeed, run_mpirun, run_single
+from tests.launching import REPO, check, run_deepspeed, run_mpirun, run_single, shm_buffers
 from tests.training import TRAIN, assert_run_follows_plan, read_trace, train_args
 pytestmark = pytest.mark.integration
 
@@ -156,10 +156,14 @@ def test_without_the_block_deepspeed_is_unchanged(small_job, tmp_path):
 
 
 def test_runs_leave_no_shared_memory_behind(small_job, tmp_path):
-    """DeepSpeed's CPU shm all-reduce leaks ~66 MB of /dev/shm per rank and job; ds_cluster unlinks it."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir():
+    """DeepSpeed's CPU shm all-reduce leaks ~66 MB of /dev/shm per rank and job; ds_cluster unlinks it,
+    for the deepspeed launcher and for mpirun, job after job."""
+    if not Path("/dev/shm").is_dir():
         pytest.skip("no /dev/shm on this machine")
-    before = set(shm.glob("deepspeed_allreduce_buffer_*"))
-    check(run_deepspeed(train_args(small_job, "zero2.json", tmp_path, "--max-steps", "2"), timeout=300))
-    assert set(shm.glob("deepspeed_allreduce_buffer_*")) - before == set()
+    before = shm_buffers()
+    for number in range(2):
+        check(run_deepspeed(train_args(small_job, "zero2.json", tmp_path / f"ds{number}", "--max-steps", "1"),
+                            timeout=300))
+        assert shm_buffers() - before == set(), f"after deepspeed-launcher job {number + 1}"
+    check(run_mpirun(train_args(small_job, "zero2.json", tmp_path / "mpi", "--max-steps", "1"), timeout=300))
+    assert shm_buffers() - before == set(), "after the mpirun job"

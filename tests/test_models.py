@@ -94,7 +94,7 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
 # switch is process-wide state that must not leak into other tests.
 _ZERO3_SCRIPT = """
 import gc, sys, torch, deepspeed
-from ds_cluster import models
+from ds_cluster.models import load_model_and_tokenizer
 path = sys.argv[1]
 plain, tokenizer = load_model_and_tokenizer(path)
 config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},

@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
                           batch_size=args.batch_size, store_dir=args.store, recompute=args.recompute,
                           shard_size=args.shard_size or DEFAULT_SHARD_SIZE, show_progress=not args.no_progress,
                           provenance={"model": os.fspath(args.model), "data": os.fspath(args.data),
-                                      "max_length": max_length, "ds_config": source})
+                                      "max_length": max_length, "ds_config": source,
+                                      "zero_stage": int((ds_config.get("zero_optimization") or {}).get("stage", 0))})
     except (ValueError, FileNotFoundError) as err:
         # Bad input (config, data, a store made with other settings): a message, not a traceback.
         return input_error("analyze", err)

@@ -1,39 +1,32 @@
 """Per-sample gradient features from a DeepSpeed engine's forward pass, under any ZeRO stage.
 
-Kinds (docs/design.md, "Features"):
-
-- ``proxy``: g(x) = mean_{t in R} (p_t - 1) h_t, the gold-token rows of the
-  per-token output-layer gradients (the paper's feature, d = hidden size);
-- ``lm_head``: the exact per-sample gradient of the mean response-token loss
-  w.r.t. the whole output matrix, G = mean_t (softmax_t - onehot_t) h_t^T,
-  projected to ``dim`` through the two factors (see projection.py);
-- ``layers``: not implemented yet.
-
-h_t is the input of the output layer (captured with a forward hook, so it is
-exactly what the logits are computed from, after the final norm), p_t the
-probability of the gold next token (labels are shifted: token t+1 is the
-target of position t, -100 is ignored). Only logits and that input are
-needed, so ZeRO-3's sharded output layer works unchanged: the engine gathers
-it for the forward as usual. All ranks run the same number of forwards
-(ZeRO-3 gathers parameters collectively), padding with a discarded dummy
-batch.
+The kinds and their math are in kinds.py. h_t, the input of the output layer,
+is captured with a forward pre-hook (exactly what the logits are computed
+from, after the final norm); the hook also lets the output layer compute only
+the last position's logits during the forward, and the logits of the response
+positions are then computed here, a chunk of positions at a time, from the
+output layer's weight (gathered once per batch under ZeRO-3). So neither the
+forward nor the softmax ever holds (batch x length x vocabulary) values. All
+ranks run the same number of forwards (ZeRO-3 gathers parameters
+collectively), padding with a discarded dummy batch.
 """
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from ds_cluster.dataset import IGNORE_INDEX, dataset_fingerprint
+from ds_cluster.dataset import dataset_fingerprint
 from ds_cluster.distributed import agree_on_error, all_gather_object, check_agreement, get_rank, get_world_size
+from ds_cluster.features.kinds import DEFAULT_CHUNK_SIZE, batch_features, normalize_rows
+from ds_cluster.features.model_info import find_output_layer, model_fingerprint, output_layer_shape, unwrap_model
 from ds_cluster.features.projection import KroneckerProjection, kronecker_projection
 from ds_cluster.features.store import DEFAULT_SHARD_SIZE, FeatureStore, StoreManifest
 
@@ -41,11 +34,6 @@ logger = logging.getLogger(__name__)
 
 FeatureKind = Literal["proxy", "lm_head", "layers"]
 DEFAULT_LM_HEAD_DIM = 1024
-# Config keys that name where or how a model was loaded, not what it computes.
-_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
-                         "_attn_implementation_autoset", "_commit_hash", "use_cache", "output_hidden_states",
-                         "return_dict", "architectures"}
-_CHECKSUM_MODULUS = (1 << 61) - 1
 
 
 @dataclass
@@ -66,36 +54,61 @@ class ExtractionResult:
         return int(self.empty_mask.sum())
 
 
-# --------------------------------------------------------------------------- model access
-def unwrap_model(engine: Any) -> torch.nn.Module:
-    """The model inside a DeepSpeed engine (or the model itself)."""
-    return getattr(engine, "module", engine)
+# --------------------------------------------------------------------------- one batch
+def _collate(dataset: Sequence[dict], indices: range) -> dict[str, torch.Tensor]:
+    items = [dataset[index] for index in indices]
+    return {key: torch.stack([torch.as_tensor(item[key]) for item in items])
+            for key in ("input_ids", "attention_mask", "labels")}
 
 
-def find_output_layer(model: torch.nn.Module) -> torch.nn.Module:
-    """The layer that maps the last hidden state to the logits."""
-    layer = None
-    getter = getattr(model, "get_output_embeddings", None)
-    if callable(getter):
-        layer = getter()
-    if layer is None:
-        layer = getattr(model, "lm_head", None)
-    if layer is None or getattr(layer, "weight", None) is None:
-        raise ValueError(
-            f"{type(model).__name__} has no output layer to compute gradient features for: looked for "
-            "model.get_output_embeddings() (returned None or is missing) and a `lm_head` attribute. "
-            "Use a causal language model with an output (lm_head) layer."
-        )
-    return layer
+class _OutputLayerInput:
+    """Captures the output layer's input and lets it compute the last position's logits only."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.value: Optional[torch.Tensor] = None
+        self._handle = layer.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, inputs: tuple) -> tuple:
+        self.value = inputs[0]
+        return (inputs[0][:, -1:], *inputs[1:])
+
+    def close(self) -> None:
+        self._handle.remove()
 
 
-def output_layer_shape(layer: torch.nn.Module) -> tuple[int, int]:
-    """(vocab V, hidden H) of the output matrix, also when ZeRO-3 has partitioned it."""
-    weight = layer.weight
-    shape = tuple(getattr(weight, "ds_shape", weight.shape))
-    if len(shape) != 2:
-        raise ValueError(f"output layer weight has shape {shape}, expected (vocab, hidden)")
-    return int(shape[0]), int(shape[1])
+@contextlib.contextmanager
+def _full_weight(layer: torch.nn.Module) -> Iterator[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """The output layer's weight and bias, gathered for the block under ZeRO-3 (collective then)."""
+    params = [param for param in (layer.weight, getattr(layer, "bias", None)) if param is not None]
+    if any(hasattr(param, "ds_tensor") for param in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield layer.weight, getattr(layer, "bias", None)
+    else:
+        yield layer.weight, getattr(layer, "bias", None)
+
+
+def _batch_rows(engine: Any, model: torch.nn.Module, layer: torch.nn.Module, capture: _OutputLayerInput,
+                batch: dict[str, torch.Tensor], kind: str, projection: Optional[KroneckerProjection],
+                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward one batch through the engine, then the features of its samples (collective under ZeRO-3)."""
+    device = _device_of(engine, model)
+    kwargs: dict[str, Any] = {"input_ids": batch["input_ids"].to(device),
+                              "attention_mask": batch["attention_mask"].to(device)}
+    if hasattr(getattr(model, "config", None), "use_cache"):
+        kwargs["use_cache"] = False
+    capture.value = None
+    engine(**kwargs)
+    if capture.value is None:
+        raise RuntimeError("the output layer was not called during the forward pass; cannot read its input")
+    hidden = capture.value
+    with _full_weight(layer) as (weight, bias):
+        def logits_at(samples: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(hidden[samples, positions].float(), weight.float(),
+                                              None if bias is None else bias.float())
+
+        return batch_features(hidden, batch["labels"], logits_at, kind, projection, chunk_size)
 
 
 def _device_of(engine: Any, model: torch.nn.Module) -> torch.device:
@@ -105,133 +118,7 @@ def _device_of(engine: Any, model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-# --------------------------------------------------------------------------- fingerprints
-def _parameter_checksum(param: torch.Tensor) -> int:
-    """Sum of the float bit patterns of this rank's part of a parameter (exact, so it adds up across ZeRO-3 shards)."""
-    partition = getattr(param, "ds_tensor", None)
-    if partition is not None:
-        # ZeRO-3: this rank holds elements [rank * size, rank * size + size) of the flat
-        # parameter; the tail of the last partition is uninitialised padding.
-        import torch.distributed as dist
-
-        size = partition.ds_numel if hasattr(partition, "ds_numel") else partition.numel()
-        group = getattr(param, "ds_process_group", None)
-        rank = dist.get_rank(group=group) if dist.is_initialized() else 0
-        valid = max(0, min(size, param.ds_numel - rank * size))
-        values = partition.detach().reshape(-1)[:valid]
-    else:
-        values = param.detach().reshape(-1)
-    values = values.cpu().contiguous()
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]
-    return int(values.view(bits).to(torch.int64).sum().item()) % _CHECKSUM_MODULUS
-
-
-def model_fingerprint(engine: Any) -> str:
-    """Hash of the model config, parameter names/shapes/dtypes and an exact checksum of every parameter's values.
-
-    Identical across ZeRO stages and world sizes for the same weights: under
-    ZeRO-3 each rank sums the bit patterns of its own partition and the sums
-    are added across ranks, so no parameter is gathered. Collective: call on
-    every rank.
-    """
-    model = unwrap_model(engine)
-    config = getattr(model, "config", None)
-    config_dict = config.to_dict() if hasattr(config, "to_dict") else {}
-    config_dict = {key: value for key, value in config_dict.items() if key not in _VOLATILE_CONFIG_KEYS}
-    names, checksums = [], []
-    for name, param in model.named_parameters():
-        shape = tuple(getattr(param, "ds_shape", param.shape))
-        names.append(f"{name}:{shape}:{param.dtype}")
-        checksums.append(_parameter_checksum(param))
-    partitioned = any(hasattr(param, "ds_tensor") for param in model.parameters())
-    if partitioned:
-        per_rank = all_gather_object(checksums)
-        checksums = [sum(column) % _CHECKSUM_MODULUS for column in zip(*per_rank)]
-    digest = hashlib.sha256()
-    digest.update(type(model).__name__.encode())
-    digest.update(json.dumps(config_dict, sort_keys=True, default=str).encode())
-    digest.update(json.dumps(names).encode())
-    digest.update(json.dumps(checksums).encode())
-    return digest.hexdigest()
-
-
-# --------------------------------------------------------------------------- the features of one batch
-def batch_features(logits: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, kind: str,
-                   projection: Optional[KroneckerProjection] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Un-normalised features (B, d) float32 and the empty mask (B,) of one batch.
-
-    logits (B, T, V), hidden (B, T, H): the output layer's output and input;
-    labels (B, T) with -100 ignored, unshifted.
-    """
-    logits = logits[:, :-1].float()
-    hidden = hidden[:, :-1].float()
-    targets = labels[:, 1:].to(logits.device)
-    response = targets != IGNORE_INDEX  # (B, T-1)
-    counts = response.sum(dim=1)
-    empty = counts == 0
-    # Weight 1/|R| on response positions, 0 elsewhere: a per-sample mean as one batched product.
-    weights = response.float() / counts.clamp_min(1).unsqueeze(1).float()
-    positions = response.nonzero(as_tuple=True)
-    gold = targets[positions]
-    log_probs = torch.log_softmax(logits[positions], dim=-1)  # only response rows: (n, V)
-    if kind == "proxy":
-        # p_t - 1 = expm1(log p_t): accurate when the model is confident.
-        coef = torch.zeros_like(weights)
-        coef[positions] = torch.expm1(log_probs.gather(1, gold.unsqueeze(1)).squeeze(1))
-        rows = torch.bmm((coef * weights).unsqueeze(1), hidden).squeeze(1)
-    elif kind == "lm_head":
-        assert projection is not None
-        # P_out^T (softmax_t - onehot_t) and P_in^T h_t, then the mean of their outer products.
-        out_factor = torch.zeros(*weights.shape, projection.p_out.shape[1], device=logits.device)
-        out_factor[positions] = log_probs.exp() @ projection.p_out - projection.p_out[gold]
-        in_factor = hidden @ projection.p_in
-        rows = torch.bmm((out_factor * weights.unsqueeze(2)).transpose(1, 2), in_factor).flatten(1)
-    else:
-        raise ValueError(f"unknown feature kind {kind!r}")
-    return rows, empty
-
-
-def normalize_rows(rows: torch.Tensor) -> torch.Tensor:
-    """L2-normalise each row; zero rows stay zero (never NaN)."""
-    norms = rows.norm(dim=1, keepdim=True)
-    return torch.where(norms > 0, rows / norms.clamp_min(torch.finfo(rows.dtype).tiny), torch.zeros_like(rows))
-
-
 # --------------------------------------------------------------------------- the whole dataset
-def _collate(dataset: Sequence[dict], indices: range) -> dict[str, torch.Tensor]:
-    items = [dataset[index] for index in indices]
-    return {key: torch.stack([torch.as_tensor(item[key]) for item in items])
-            for key in ("input_ids", "attention_mask", "labels")}
-
-
-class _OutputLayerInput:
-    """Captures the input of the output layer during a forward pass."""
-
-    def __init__(self, layer: torch.nn.Module) -> None:
-        self.value: Optional[torch.Tensor] = None
-        self._handle = layer.register_forward_hook(self._hook)
-
-    def _hook(self, module: torch.nn.Module, inputs: tuple, output: Any) -> None:
-        self.value = inputs[0]
-
-    def close(self) -> None:
-        self._handle.remove()
-
-
-def _forward(engine: Any, model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device,
-             capture: _OutputLayerInput) -> tuple[torch.Tensor, torch.Tensor]:
-    kwargs: dict[str, Any] = {"input_ids": batch["input_ids"].to(device),
-                              "attention_mask": batch["attention_mask"].to(device)}
-    if hasattr(getattr(model, "config", None), "use_cache"):
-        kwargs["use_cache"] = False
-    capture.value = None
-    outputs = engine(**kwargs)
-    logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
-    if capture.value is None:
-        raise RuntimeError("the output layer was not called during the forward pass; cannot read its input")
-    return logits, capture.value
-
-
 def _resolve_dim(kind: str, dim: Optional[int], vocab: int, hidden: int) -> int:
     if kind == "proxy":
         if dim is not None and dim != hidden:
@@ -278,12 +165,14 @@ def _prepare_store(store: FeatureStore, manifest: StoreManifest, overwrite: bool
 def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, dim: Optional[int] = None,
                    batch_size: int = 8, store: Union[None, str, Path, FeatureStore] = None, seed: int = 0,
                    normalize: bool = True, show_progress: bool = True, shard_size: int = DEFAULT_SHARD_SIZE,
-                   overwrite: bool = False,
+                   overwrite: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE,
                    on_shard_done: Optional[Callable[[int], None]] = None) -> ExtractionResult:
     """extract_features with everything it found out: empty mask, shards computed and reused, timing.
 
-    Collective: call on every rank with the same arguments. `on_shard_done(shard)`
-    is called after each shard this rank finished (tests use it to crash mid-run).
+    Collective: call on every rank with the same arguments. `chunk_size`
+    response positions share one softmax over the vocabulary (the bound on
+    extra memory). `on_shard_done(shard)` is called after each shard this
+    rank finished (tests use it to crash mid-run).
     """
     if kind == "layers":
         raise NotImplementedError(
@@ -293,55 +182,69 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, d
         raise ValueError(f"unknown feature kind {kind!r}; expected 'proxy', 'lm_head' or 'layers'")
     if batch_size < 1 or shard_size < 1:
         raise ValueError(f"batch_size and shard_size must be >= 1, got {batch_size} and {shard_size}")
+    if len(dataset) == 0:
+        raise ValueError("the dataset is empty: nothing to extract features from")
     started = time.perf_counter()
-    rank, world_size = get_rank(), get_world_size()
     model = unwrap_model(engine)
     layer = find_output_layer(model)
     vocab, hidden = output_layer_shape(layer)
     dim = _resolve_dim(kind, dim, vocab, hidden)
-    num_samples = len(dataset)
-    if num_samples == 0:
-        raise ValueError("the dataset is empty: nothing to extract features from")
-    device = _device_of(engine, model)
-    projection = kronecker_projection(dim, vocab, hidden, seed).to(device) if kind == "lm_head" else None
-
+    projection = (kronecker_projection(dim, vocab, hidden, seed).to(_device_of(engine, model))
+                  if kind == "lm_head" else None)
     feature_store = FeatureStore(store) if isinstance(store, (str, Path)) else store
     manifest = StoreManifest(kind=kind, dim=dim, seed=seed, normalize=normalize,
                              model_fingerprint=model_fingerprint(engine) if feature_store else "",
                              dataset_fingerprint=dataset_fingerprint(dataset) if feature_store else "",
-                             num_samples=num_samples, shard_size=shard_size)
-    if feature_store is not None:
-        pending = _prepare_store(feature_store, manifest, overwrite, rank)
-    else:
-        pending = list(range(manifest.num_shards))
-    run_id = all_gather_object(uuid.uuid4().hex)[0]
+                             num_samples=len(dataset), shard_size=shard_size)
+    pending = (_prepare_store(feature_store, manifest, overwrite, get_rank()) if feature_store is not None
+               else list(range(manifest.num_shards)))
 
+    def rows_of(batch: dict[str, torch.Tensor], capture: _OutputLayerInput) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, empty = _batch_rows(engine, model, layer, capture, batch, kind, projection, chunk_size)
+        return (normalize_rows(rows) if normalize else rows), empty
+
+    computed = _compute_shards(model, layer, dataset, manifest, pending, batch_size, rows_of, feature_store,
+                               show_progress, on_shard_done)
+    features, empty_mask = _assemble(manifest, feature_store, computed)
+    if empty_mask.any():
+        logger.warning("%d of %d samples have no response tokens (all labels -100): their feature rows are zero",
+                       int(empty_mask.sum()), len(dataset))
+    computed_shards = sorted(shard for shards in all_gather_object(sorted(computed)) for shard in shards)
+    return ExtractionResult(features=features, empty_mask=empty_mask, kind=kind, dim=dim,
+                            computed_shards=computed_shards,
+                            reused_shards=sorted(set(range(manifest.num_shards)) - set(pending)),
+                            seconds=time.perf_counter() - started,
+                            manifest=manifest if feature_store is not None else None)
+
+
+def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Sequence[dict],
+                    manifest: StoreManifest, pending: list[int], batch_size: int, rows_of: Callable,
+                    feature_store: Optional[FeatureStore], show_progress: bool,
+                    on_shard_done: Optional[Callable[[int], None]]) -> dict[int, tuple[np.ndarray, list[int]]]:
+    """This rank's share of the pending shards, written to the store as each one completes."""
+    rank, world_size = get_rank(), get_world_size()
+    run_id = all_gather_object(uuid.uuid4().hex)[0]
     # Shards are dealt round-robin; every rank runs as many forwards as the busiest one.
     shares = [_batches_of(pending[r::world_size], manifest.shard_bounds, batch_size) for r in range(world_size)]
     mine = shares[rank]
-    num_forwards = max(len(share) for share in shares)
     dummy = _collate(dataset, range(0, 1))
-
     computed: dict[int, tuple[np.ndarray, list[int]]] = {}
     partial: dict[int, list[tuple[range, torch.Tensor, torch.Tensor]]] = {}
     shard_started: dict[int, float] = {}
-    progress = _progress_bar(sum(len(indices) for _, indices in mine), show_progress and rank == 0, kind)
+    progress = _progress_bar(sum(len(indices) for _, indices in mine), show_progress and rank == 0,
+                             manifest.kind)
     capture = _OutputLayerInput(layer)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for step in range(num_forwards):
+            for step in range(max(len(share) for share in shares)):
                 if step >= len(mine):
-                    _forward(engine, model, dummy, device, capture)  # lockstep only; result discarded
+                    rows_of(dummy, capture)  # lockstep only; result discarded
                     continue
                 shard, indices = mine[step]
                 shard_started.setdefault(shard, time.perf_counter())
-                batch = _collate(dataset, indices)
-                logits, hidden_states = _forward(engine, model, batch, device, capture)
-                rows, empty = batch_features(logits, hidden_states, batch["labels"], kind, projection)
-                if normalize:
-                    rows = normalize_rows(rows)
+                rows, empty = rows_of(_collate(dataset, indices), capture)
                 partial.setdefault(shard, []).append((indices, rows.cpu(), empty.cpu()))
                 progress.update(len(indices))
                 if indices.stop == manifest.shard_bounds(shard)[1]:
@@ -356,27 +259,24 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, d
         capture.close()
         model.train(was_training)
         progress.close()
+    return computed
 
-    computed_shards = sorted(shard for shards in all_gather_object(sorted(computed)) for shard in shards)
+
+def _assemble(manifest: StoreManifest, feature_store: Optional[FeatureStore],
+              computed: dict[int, tuple[np.ndarray, list[int]]]) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's shards as one (N, d) array and empty mask (collective)."""
     if feature_store is not None:
-        # Every rank wrote its shards before the gather above: read them all back, validated.
-        features, empty_mask = feature_store.assemble(manifest)
-    else:
-        features = np.zeros((num_samples, dim), dtype=np.float32)
-        empty_mask = np.zeros(num_samples, dtype=bool)
-        for part in all_gather_object(computed):
-            for shard, (rows_np, empty_idx) in part.items():
-                start, stop = manifest.shard_bounds(shard)
-                features[start:stop] = rows_np
-                empty_mask[empty_idx] = True
-    if empty_mask.any():
-        logger.warning("%d of %d samples have no response tokens (all labels -100): their feature rows are zero",
-                       int(empty_mask.sum()), num_samples)
-    return ExtractionResult(features=features, empty_mask=empty_mask, kind=kind, dim=dim,
-                            computed_shards=computed_shards,
-                            reused_shards=sorted(set(range(manifest.num_shards)) - set(pending)),
-                            seconds=time.perf_counter() - started,
-                            manifest=manifest if feature_store is not None else None)
+        # Every rank wrote its shards before this gather: read them all back, validated.
+        all_gather_object(None)
+        return feature_store.assemble(manifest)
+    features = np.zeros((manifest.num_samples, manifest.dim), dtype=np.float32)
+    empty_mask = np.zeros(manifest.num_samples, dtype=bool)
+    for part in all_gather_object(computed):
+        for shard, (rows_np, empty_idx) in part.items():
+            start, stop = manifest.shard_bounds(shard)
+            features[start:stop] = rows_np
+            empty_mask[empty_idx] = True
+    return features, empty_mask
 
 
 def extract_features(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, dim: Optional[int] = None,

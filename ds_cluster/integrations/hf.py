@@ -33,7 +33,7 @@ from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader, Sampler
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from transformers.utils import is_datasets_available
@@ -50,6 +50,18 @@ from ds_cluster.sampler import SAMPLE_INDEX, SAMPLE_WEIGHT, ClusterDataLoader
 logger = logging.getLogger(__name__)
 
 SAMPLER_STATE_FILE = "ds_cluster_sampler.json"
+
+
+class _ReleaseSharedMemory(TrainerCallback):
+    """Unlinks DeepSpeed's CPU shm all-reduce buffer once Trainer has built the engine.
+
+    Trainer starts DeepSpeed's communication backend (which creates the
+    buffer) inside `train()`, after the data loader is built, so the release
+    in `build_cluster_plan` comes too early for it.
+    """
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        distributed.release_shared_memory_buffer()
 
 
 class PlanBatchSampler(Sampler[list[int]]):
@@ -110,6 +122,8 @@ class ClusterTrainer(Trainer):
         self.plan: Optional[Plan] = None
         self.cluster_loader: Optional[ClusterDataLoader] = None
         self._resume_checkpoint: Optional[str] = None
+        if self.args.deepspeed:
+            self.add_callback(_ReleaseSharedMemory())
         if self.cluster_config.enabled:
             # The weighted loss is not normalised by a token count: no need to count tokens across ranks.
             self.model_accepts_loss_kwargs = False
@@ -121,7 +135,6 @@ class ClusterTrainer(Trainer):
         Rank and world size come from torch.distributed, not from `args.process_index`/`world_size`:
         Accelerate reports one process for DeepSpeed on CPU although DeepSpeed trains on all of them.
         """
-        distributed.release_shared_memory_buffer()  # DeepSpeed's CPU shm buffer would leak in /dev/shm
         shape = BatchShape(distributed.get_world_size(), self._train_batch_size,
                            self.args.gradient_accumulation_steps)
         if self.plan is None or self.plan.batch_shape != shape:
