@@ -57,7 +57,12 @@ def cluster_features(
     backend: Literal["sklearn", "faiss"] = "sklearn",
     seed: int = 0,
 ) -> ClusterResult:
-    """k-means (k-means++ init, n_init restarts), then the capacity cap when it binds."""
+    """k-means (k-means++ init, n_init restarts), then the capacity cap when it binds.
+
+    The centroids are k-means' own centres, and every distance is to the
+    centre of the sample's cluster, also for samples the cap moved (as the
+    reference implementation measures them for peripheral selection).
+    """
     points = validate_features(features).astype(np.float32, copy=False)
     num_samples = points.shape[0]
     if num_clusters < 1:
@@ -81,7 +86,7 @@ def cluster_features(
         capacity = math.ceil(capacity_factor * num_samples / num_clusters)
         if np.bincount(labels, minlength=num_clusters).max() > capacity:
             labels = capped_assignment(points, centroids, nearest, nearest_dist2, capacity)
-    return cluster_from_labels(points, labels, num_clusters)
+    return ClusterResult(labels, centroids.astype(np.float32), distances_to_centres(points, centroids, labels))
 
 
 def cluster_from_labels(features: Optional[np.ndarray], labels: np.ndarray, num_clusters: int,
@@ -101,11 +106,18 @@ def cluster_from_labels(features: Optional[np.ndarray], labels: np.ndarray, num_
     sums = np.asarray(membership @ points, dtype=np.float64)
     counts = np.bincount(labels, minlength=num_clusters).astype(np.float64)
     centroids = sums / np.maximum(counts, 1.0)[:, None]
+    return ClusterResult(labels, centroids.astype(np.float32), distances_to_centres(points, centroids, labels, chunk))
+
+
+def distances_to_centres(points: np.ndarray, centroids: np.ndarray, labels: np.ndarray,
+                         chunk: int = 65536) -> np.ndarray:
+    """Euclidean distance of every point to the centre of its cluster: float64 (N,)."""
+    centres = np.asarray(centroids, dtype=np.float64)
     distances = np.empty(labels.size, dtype=np.float64)
     for start in range(0, labels.size, chunk):  # chunked: a full (N, d) float64 difference can be GBs
-        diff = points[start:start + chunk] - centroids[labels[start:start + chunk]]
+        diff = points[start:start + chunk] - centres[labels[start:start + chunk]]
         distances[start:start + chunk] = np.sqrt(np.einsum("ij,ij->i", diff, diff))
-    return ClusterResult(labels, centroids.astype(np.float32), distances)
+    return distances
 
 
 def nearest_centroids(

@@ -21,6 +21,7 @@ PAPER_PRESET: dict[str, Any] = {
     "kmeans_n_init": 10,
     "allocation": "cluster_per_rank",
     "weighting": "cluster",
+    "loss_reduction": "token",
     "feature_kind": "proxy",
     "normalize_features": True,
 }
@@ -37,7 +38,7 @@ class ClusterSamplingConfig(BaseModel):
     budget_mode: Literal["min", "proportional", "equal", "neyman"] = "min"
     budget_ratio: float = Field(1.0, gt=0.0, le=1.0)
     budget_samples: Optional[int] = Field(None, ge=1)
-    selection: Literal["peripheral", "core", "random", "mix", "norm"] = "peripheral"
+    selection: Literal["peripheral", "core", "random", "mix", "norm", "spread", "kcenter"] = "peripheral"
     capacity_factor: Optional[float] = Field(1.5, ge=1.0)
     capacity_neighbors: int = Field(8, ge=1)
     kmeans_n_init: int = Field(10, ge=1)
@@ -45,6 +46,7 @@ class ClusterSamplingConfig(BaseModel):
     backend: Literal["sklearn", "faiss"] = "sklearn"
     allocation: Literal["stratified", "cluster_per_rank"] = "stratified"
     weighting: Literal["cluster", "none"] = "cluster"
+    loss_reduction: Literal["sample", "token"] = "sample"
     seed: int = Field(1234, ge=0)
     analysis_path: Optional[str] = None
     feature_kind: Literal["proxy", "lm_head", "layers"] = "proxy"

@@ -160,6 +160,20 @@ def all_gather_object(value: Any) -> list[Any]:
     return gathered
 
 
+def sum_over_ranks(values: Any, group: Any = None) -> Any:
+    """Element-wise sum of an int64 array over the ranks of `group` (all ranks by default); collective."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    array = np.asarray(values, dtype=np.int64)
+    if not is_initialized() or dist.get_world_size(group=group) == 1:
+        return array
+    tensor = torch.from_numpy(array.copy())
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor.numpy()
+
+
 def check_agreement(value: Any, what: str) -> None:
     """Raise on every rank, naming the ranks that differ from rank 0, if values disagree.
 

@@ -244,7 +244,8 @@ def build_plan(
         norms = np.full(num_samples, np.nan)
         norms[kept_rows] = _row_norms(points if kept_rows.size == num_samples else points[kept_rows])
     selected = select_in_clusters(full_labels, kept_sizes, selection,  # type: ignore[arg-type]
-                                  distances=distances if has_geometry else None, norms=norms, seed=config.seed)
+                                  distances=distances if has_geometry else None, norms=norms,
+                                  features=points if selection == "kcenter" else None, seed=config.seed)
     weights = sample_weights(full_labels, selected, cluster_sizes, kept_sizes, config.weighting)
 
     plan = Plan(labels=full_labels, centroids=clusters.centroids, distances=distances, selected=selected,

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from ds_cluster.dataset import IGNORE_INDEX
+from ds_cluster.loss import LOSS_NORMALIZER
 from ds_cluster.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -26,13 +28,15 @@ STATE_VERSION = 1
 class WeightedDataset(Dataset):
     """The user's dataset, each item with its index and its plan weight beside the user's fields.
 
-    Dict items gain `sample_index` (int64) and `sample_weight` (float32);
-    tuple/list items gain the two as their last two elements.
+    Dict items gain `sample_index` (int64) and `sample_weight` (float32), and
+    `loss_normalizer` (float32) under the "token" loss reduction; tuple/list
+    items gain the first two as their last two elements.
     """
 
     def __init__(self, dataset: Dataset, weights: np.ndarray):
         self.dataset = dataset
         self.weights = np.asarray(weights, dtype=np.float32)
+        self.normalizers: Optional[np.ndarray] = None  # (N,) float32, set per epoch by the loader
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -42,7 +46,11 @@ class WeightedDataset(Dataset):
         sample_index = torch.tensor(index, dtype=torch.int64)
         sample_weight = torch.tensor(self.weights[index], dtype=torch.float32)
         if isinstance(item, dict):
-            return {**item, SAMPLE_INDEX: sample_index, SAMPLE_WEIGHT: sample_weight}
+            extra = {} if self.normalizers is None else {
+                LOSS_NORMALIZER: torch.tensor(self.normalizers[index], dtype=torch.float32)}
+            return {**item, SAMPLE_INDEX: sample_index, SAMPLE_WEIGHT: sample_weight, **extra}
+        if self.normalizers is not None:
+            raise TypeError("loss_reduction 'token' needs dataset items that are dicts (with 'labels')")
         if isinstance(item, (tuple, list)):
             return (*item, sample_index, sample_weight)
         raise TypeError(f"dataset items must be dicts or tuples to carry sample weights, got {type(item).__name__}")
@@ -54,11 +62,10 @@ def weighted_collate(collate_fn: Optional[Callable] = None) -> Callable:
 
     def collate(items: list) -> Any:
         if isinstance(items[0], dict):
-            indices = torch.stack([item[SAMPLE_INDEX] for item in items])
-            weights = torch.stack([item[SAMPLE_WEIGHT] for item in items])
-            batch = user_collate([{k: v for k, v in item.items() if k not in (SAMPLE_INDEX, SAMPLE_WEIGHT)}
-                                  for item in items])
-            batch[SAMPLE_INDEX], batch[SAMPLE_WEIGHT] = indices, weights
+            ours = [key for key in (SAMPLE_INDEX, SAMPLE_WEIGHT, LOSS_NORMALIZER) if key in items[0]]
+            stacked = {key: torch.stack([item[key] for item in items]) for key in ours}
+            batch = user_collate([{k: v for k, v in item.items() if k not in ours} for item in items])
+            batch.update(stacked)
             return batch
         indices = torch.stack([item[-2] for item in items])
         weights = torch.stack([item[-1] for item in items])
@@ -77,7 +84,10 @@ class ClusterDataLoader:
     """
 
     def __init__(self, dataset: Dataset, plan: Plan, rank: int, *, collate_fn: Optional[Callable] = None,
-                 num_workers: int = 0, pin_memory: bool = False):
+                 num_workers: int = 0, pin_memory: bool = False,
+                 sum_over_ranks: Optional[Callable[[np.ndarray], np.ndarray]] = None):
+        """`sum_over_ranks` sums an int64 array over the data-parallel ranks (collective); needed for
+        the "token" loss reduction with more than one rank."""
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} is outside the plan's world size {plan.world_size}")
         self.plan = plan
@@ -90,6 +100,13 @@ class ClusterDataLoader:
         self.position = 0  # micro-batches of this epoch already handed to the training loop
         self._schedule_epoch: Optional[int] = None
         self._schedule: Optional[np.ndarray] = None
+        self.loss_reduction = str(plan.settings.get("loss_reduction", "sample"))
+        self._sum_over_ranks = sum_over_ranks
+        self._token_counts: Optional[np.ndarray] = None
+        self._normalizers_epoch: Optional[int] = None
+        if self.loss_reduction == "token" and plan.world_size > 1 and sum_over_ranks is None:
+            raise ValueError("loss_reduction 'token' with several ranks needs sum_over_ranks (the hook and "
+                             "ClusterTrainer pass it)")
 
     # ------------------------------------------------------------ iteration
     @property
@@ -113,6 +130,37 @@ class ClusterDataLoader:
         assert self._schedule is not None
         return self._schedule
 
+    def prepare_epoch(self, epoch: int) -> np.ndarray:
+        """This rank's schedule of an epoch, with the loss normalisers of the "token" reduction set.
+
+        Collective under "token" with several ranks (one sum of a per-step vector
+        per epoch): call it on every rank at the same point.
+        """
+        schedule = self.rank_schedule(epoch)
+        if self.loss_reduction == "token" and self._normalizers_epoch != epoch:
+            self.dataset.normalizers = self._token_normalizers(schedule)
+            self._normalizers_epoch = epoch
+        return schedule
+
+    def _token_normalizers(self, schedule: np.ndarray) -> np.ndarray:
+        """Per sample, (response tokens of its global batch) / (world x accumulation steps).
+
+        DeepSpeed divides each micro-batch's loss by the accumulation steps and
+        averages over ranks, so this makes the step's update the weighted token
+        losses of the whole global batch over its number of response tokens.
+        """
+        if self._token_counts is None:
+            self._token_counts = response_token_counts(self.dataset.dataset, self.plan.selected,
+                                                       self.plan.num_samples)
+        accumulation = self.plan.gradient_accumulation_steps
+        per_step = schedule.reshape(-1, accumulation * self.plan.micro_batch_size)
+        local = self._token_counts[per_step].sum(axis=1).astype(np.int64)
+        total = self._sum_over_ranks(local) if self._sum_over_ranks is not None else local
+        normalizers = np.ones(self.plan.num_samples, dtype=np.float32)
+        per_step_value = np.maximum(total, 1) / (self.plan.world_size * accumulation)
+        normalizers[per_step] = per_step_value[:, None].astype(np.float32)
+        return normalizers
+
     def set_epoch(self, epoch: int) -> None:
         """Start the given epoch from its beginning (DistributedSampler's convention)."""
         if epoch != self.epoch:
@@ -121,7 +169,7 @@ class ClusterDataLoader:
     def __iter__(self) -> Iterator[Any]:
         if self.position >= self.micro_batches_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
-        batches = self.rank_schedule(self.epoch)[self.position:].tolist()
+        batches = self.prepare_epoch(self.epoch)[self.position:].tolist()
         loader = DataLoader(self.dataset, batch_sampler=batches, collate_fn=self.collate_fn,
                             num_workers=self.num_workers, pin_memory=self.pin_memory)
         for batch in loader:
@@ -144,3 +192,18 @@ class ClusterDataLoader:
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         logger.info("cluster sampler resumed at epoch %d, micro-batch %d", self.epoch, self.position)
+
+
+def response_token_counts(dataset: Any, indices: np.ndarray, num_samples: int) -> np.ndarray:
+    """Labelled (response) tokens after the one-token shift of the samples `indices`: int64 (N,), 0 elsewhere."""
+    counts = np.zeros(num_samples, dtype=np.int64)
+    labels = getattr(dataset, "labels", None)
+    if isinstance(labels, torch.Tensor) and labels.dim() == 2 and labels.shape[0] == num_samples:
+        counts[indices] = (labels[torch.as_tensor(indices), 1:] != IGNORE_INDEX).sum(dim=1).numpy()
+        return counts
+    for index in np.asarray(indices).tolist():
+        item = dataset[index]
+        if not isinstance(item, dict) or "labels" not in item:
+            raise TypeError("loss_reduction 'token' needs dataset items that are dicts with 'labels'")
+        counts[index] = int((torch.as_tensor(item["labels"])[1:] != IGNORE_INDEX).sum())
+    return counts

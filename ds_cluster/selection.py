@@ -2,8 +2,8 @@
 
 Pure numpy. Budget rules (s_c kept of n_c, S kept of N):
 - "min" (paper): every cluster keeps floor(r * m), m the smallest cluster.
-- "proportional": S = budget_samples or round(r * N); one per cluster, the
-  rest in proportion to n_c (largest remainder).
+- "proportional": S = budget_samples or round(r * N); every cluster keeps
+  floor or ceil of its share S * n_c / N (largest remainder), and at least 1.
 - "equal": S filled evenly, smallest cluster first (water-filling: clusters
   below the level keep everything, the others share what is left).
 - "neyman": one per cluster, the rest in proportion to n_c * sigma_c (sigma_c
@@ -18,7 +18,7 @@ from typing import Literal, Optional
 import numpy as np
 
 BudgetMode = Literal["min", "proportional", "equal", "neyman"]
-Strategy = Literal["peripheral", "core", "random", "mix", "norm"]
+Strategy = Literal["peripheral", "core", "random", "mix", "norm", "spread", "kcenter"]
 
 
 def cluster_budgets(
@@ -54,18 +54,33 @@ def cluster_budgets(
     if mode == "equal":
         return _water_fill(sizes, total)
     if mode == "proportional":
-        priority = sizes.astype(np.float64)
-    elif mode == "neyman":
+        return _proportional(sizes, total)
+    if mode == "neyman":
         if cluster_spreads is None:
             raise ValueError("budget_mode 'neyman' needs features (the clusters' spreads); pass features to build_plan")
         spreads = np.asarray(cluster_spreads, dtype=np.float64)
         priority = sizes * spreads
         if not np.isfinite(priority).all() or priority.sum() <= 0:
             priority = sizes.astype(np.float64)  # every cluster is a single point: spread says nothing
-    else:
-        raise ValueError(f"budget_mode must be one of min, proportional, equal, neyman; got {mode!r}")
-    # One sample per cluster first, so no cluster is dropped; the rest by priority.
-    return 1 + apportion(total - sizes.size, priority, sizes - 1)
+        # One sample per cluster first, so no cluster is dropped; the rest by priority.
+        return 1 + apportion(total - sizes.size, priority, sizes - 1)
+    raise ValueError(f"budget_mode must be one of min, proportional, equal, neyman; got {mode!r}")
+
+
+def _proportional(sizes: np.ndarray, total: int) -> np.ndarray:
+    """Each cluster floor or ceil of total * n_c / N (largest remainders get the ceiling), at least 1.
+
+    A cluster whose share is below 1 keeps 1 (within one of its share), so the
+    sum can exceed `total` by at most the number of such clusters.
+    """
+    shares = total * sizes / sizes.sum()
+    kept = np.maximum(np.floor(shares + 1e-9).astype(np.int64), 1)
+    leftover = total - int(kept.sum())
+    if leftover > 0:
+        remainders = np.where(kept < shares, shares - kept, -1.0)
+        order = np.lexsort((np.arange(sizes.size), -remainders))
+        kept[order[:leftover]] += 1
+    return np.minimum(kept, sizes)
 
 
 def apportion(total: int, priority: np.ndarray, caps: np.ndarray) -> np.ndarray:
@@ -146,14 +161,18 @@ def select_in_clusters(
     *,
     distances: Optional[np.ndarray] = None,
     norms: Optional[np.ndarray] = None,
+    features: Optional[np.ndarray] = None,
     seed: int = 0,
 ) -> np.ndarray:
     """Sorted int64 indices: in each cluster c, kept_sizes[c] samples chosen by the strategy.
 
     peripheral: farthest from the centroid; core: nearest; random: uniform;
-    mix: half peripheral, half core; norm: largest feature norm. Ties go to
-    the lower index, so the choice is the same everywhere. Samples with a
-    negative label (excluded) are never chosen.
+    mix: half peripheral, half core; norm: largest feature norm; spread:
+    evenly over the quantiles of the distance to the centroid (core, middle
+    and edge alike); kcenter: greedy farthest-point (k-centre) coverage of the
+    cluster in feature space, starting from the sample nearest the centroid.
+    Ties go to the lower index, so the choice is the same everywhere. Samples
+    with a negative label (excluded) are never chosen.
     """
     labels = np.asarray(labels, dtype=np.int64)
     kept_sizes = np.asarray(kept_sizes, dtype=np.int64)
@@ -162,7 +181,7 @@ def select_in_clusters(
     valid_labels = labels[valid_rows]
     if np.array_equal(np.bincount(valid_labels, minlength=kept_sizes.size), kept_sizes):
         return valid_rows.astype(np.int64)  # everything is kept: nothing to choose
-    if strategy in ("peripheral", "core", "mix") and distances is None:
+    if strategy in ("peripheral", "core", "mix", "spread", "kcenter") and distances is None:
         raise ValueError(f"selection '{strategy}' needs features (distances to centroids); use 'random' without them")
     if strategy == "norm" and norms is None:
         raise ValueError("selection 'norm' needs features (their norms); use 'random' without them")
@@ -170,12 +189,15 @@ def select_in_clusters(
         sort_key = rng.permutation(labels.size)
     elif strategy in ("peripheral", "mix"):
         sort_key = -np.asarray(distances, dtype=np.float64)
-    elif strategy == "core":
+    elif strategy in ("core", "spread", "kcenter"):
         sort_key = np.asarray(distances, dtype=np.float64)
     elif strategy == "norm":
         sort_key = -np.asarray(norms, dtype=np.float64)
     else:
-        raise ValueError(f"selection must be one of peripheral, core, random, mix, norm; got {strategy!r}")
+        raise ValueError("selection must be one of peripheral, core, random, mix, norm, spread, kcenter; "
+                         f"got {strategy!r}")
+    if strategy == "kcenter" and features is None:
+        raise ValueError("selection 'kcenter' needs the features themselves; use 'spread' or 'random' without them")
 
     # Order by cluster, then key, then index: two stable sorts (a 3-key lexsort is slow at N = 10M).
     by_key = np.argsort(sort_key[valid_rows], kind="stable")
@@ -194,9 +216,30 @@ def select_in_clusters(
             from_edge = (keep + 1) // 2
             chosen.append(members[:from_edge])
             chosen.append(members[len(members) - (keep - from_edge):] if keep - from_edge else members[:0])
+        elif strategy == "spread":
+            # members are ordered by distance: take the middle of each of `keep` equal slices.
+            chosen.append(members[((np.arange(keep) + 0.5) * len(members) / keep).astype(np.int64)])
+        elif strategy == "kcenter":
+            chosen.append(k_center_greedy(features, members, keep))
         else:
             chosen.append(members[:keep])
     return np.sort(np.concatenate(chosen)).astype(np.int64)
+
+
+def k_center_greedy(features: np.ndarray, members: np.ndarray, keep: int) -> np.ndarray:
+    """`keep` of `members` chosen greedily, each the farthest from those chosen so far (k-centre).
+
+    `members` comes ordered by distance to the centroid: the first pick is the
+    most central sample. Cost O(keep x len(members) x d).
+    """
+    points = np.asarray(features[members], dtype=np.float64)
+    picked = [0]
+    nearest = np.linalg.norm(points - points[0], axis=1)
+    for _ in range(keep - 1):
+        candidate = int(np.argmax(nearest))  # first index among ties
+        picked.append(candidate)
+        nearest = np.minimum(nearest, np.linalg.norm(points - points[candidate], axis=1))
+    return members[np.asarray(picked, dtype=np.int64)]
 
 
 def sample_weights(

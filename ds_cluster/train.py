@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     if args.save_model:
         save_hf_model(engine, tokenizer, Path(args.save_model), rank)
     summary = {"rank": rank, "steps": engine.global_steps, "micro_steps": len(losses), "train_seconds": elapsed,
-               "train_cpu_seconds": cpu_elapsed,
+               "train_cpu_seconds": cpu_elapsed, "selection": getattr(loader, "selection", {}),
                "first_losses": losses[:4], "last_losses": losses[-4:], "parameter_digest": digest}
     write_json_atomic(output / f"summary_rank{rank}.json", summary)
     if rank == 0:

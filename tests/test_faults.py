@@ -23,7 +23,7 @@ from ds_cluster.plan import Plan
 from tests.launching import REPO, check, run_deepspeed
 from tests.test_bad_inputs import assert_failed_on_every_rank, snapshot
 from tests.training import read_trace, train_args
-from tests.workers.fault_worker import KILL_AFTER_STEP_VAR, RANK_ARGS_VAR
+from tests.workers.fault_worker import KILL_AFTER_SHARD_VAR, KILL_AFTER_STEP_VAR, KILL_RANK_VAR, RANK_ARGS_VAR
 
 WORKER = str(REPO / "tests" / "workers" / "fault_worker.py")
 # A mismatch between ranks must end the job on every rank within this, not hang until a collective times out.
@@ -168,3 +168,42 @@ def test_full_disk_in_publish_names_the_space_needed_and_keeps_the_previous_one(
         AnalysisDir(previous).write({"features.npy": np.zeros((1000, 100), np.float32)}, {}, {},
                                     tmp_path / "store")
     assert snapshot(small_disk) == before
+
+
+# ------------------------------------------------------------------------------------------ selection in one launch
+@pytest.mark.integration
+def test_selection_in_the_training_job_resumes_after_a_kill_and_is_reused(small_job, tmp_path):  # noqa: F811
+    """analysis_path with no analysis: the job computes it with its own engine; a kill mid-extraction resumes
+    only the unfinished shards, and a later job reads the analysis instead of computing it."""
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    analysis = tmp_path / "analysis"
+    config["data_efficiency"]["data_sampling"]["cluster_sampling"].update(analysis_path=str(analysis),
+                                                                          budget_ratio=0.5)
+    config_path = tmp_path / "ds.json"
+    config_path.write_text(json.dumps(config))
+
+    def job(out: Path, *extra: str) -> list[str]:
+        args = train_args(small_job, "zero2.json", out, "--max-steps", "2", *extra)
+        args[args.index("--deepspeed") + 1] = str(config_path)
+        del args[args.index("--analysis"):args.index("--analysis") + 2]  # the config's analysis_path
+        return args
+
+    # Rank 0 dies right after its first finished shard (the small job is one shard of 512 samples).
+    killed, _ = _timed([WORKER, *job(tmp_path / "killed")[2:]], timeout=300,
+                       env_extra={KILL_AFTER_SHARD_VAR: "1", KILL_RANK_VAR: "0"})
+    assert killed.returncode != 0
+    store_markers = sorted((analysis / ".feature_store" / "shards").glob("*.done.json"))
+    assert store_markers, "no shard was finished before the kill"
+    assert not (analysis / "features.npy").exists()
+
+    check(run_deepspeed(job(tmp_path / "first"), timeout=300))
+    summary = json.loads((tmp_path / "first" / "summary_rank0.json").read_text())
+    analysis_summary = json.loads((analysis / "summary.json").read_text())
+    assert summary["selection"]["wall"] > 0 and summary["selection"]["extract"] > 0
+    # The finished shard is read back, not computed again.
+    assert analysis_summary["reused_shards"] == [0] and analysis_summary["computed_shards"] == []
+    assert Plan.load(tmp_path / "first" / "plan").num_kept < Plan.load(tmp_path / "first" / "plan").num_samples
+
+    check(run_deepspeed(job(tmp_path / "second"), timeout=300))
+    assert json.loads((tmp_path / "second" / "summary_rank0.json").read_text())["selection"] == {}
+    assert Plan.load(tmp_path / "second" / "plan").fingerprint() == Plan.load(tmp_path / "first" / "plan").fingerprint()

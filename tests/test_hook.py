@@ -48,15 +48,21 @@ def test_resume_continues_the_exact_sequence(small_job, tmp_path, stage):
         assert np.allclose([r["loss"] for r in resumed], [r["loss"] for r in expected], rtol=0, atol=1e-6)
 
 
-def test_weighted_loss_gradient_is_the_stratified_full_data_estimate(tmp_path):
-    from ds_cluster.loss import per_sample_lm_loss
+@pytest.mark.parametrize("reduction", ["sample", "token"])
+def test_weighted_loss_gradient_is_the_stratified_full_data_estimate(tmp_path, reduction):
+    """One step of 2 ranks x 3 accumulation steps = the whole kept subset, against the gradient by hand.
+
+    "sample": sum_c (n_c / N) mean over c's kept samples of their mean token loss; "token": the weighted
+    token losses summed over the global batch's response tokens, over their number.
+    """
+    from ds_cluster.loss import token_loss_sums
     from tests.workers.feature_fixtures import tiny_llama, token_dataset
 
     labels = np.repeat([0, 1, 2], [12, 8, 4])
     (tmp_path / "analysis").mkdir()
     np.save(tmp_path / "analysis" / "labels.npy", labels)
     block = {"enabled": True, "budget_mode": "min", "selection": "random", "allocation": "stratified",
-             "analysis_path": str(tmp_path / "analysis"), "seed": 3}
+             "analysis_path": str(tmp_path / "analysis"), "seed": 3, "loss_reduction": reduction}
     # DeepSpeed clips gradients at 1.0 by default; off here so the step is the raw gradient.
     config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
               "zero_allow_untested_optimizer": True,
@@ -73,11 +79,14 @@ def test_weighted_loss_gradient_is_the_stratified_full_data_estimate(tmp_path):
     data = token_dataset(len(labels), seed=1)
     selected = plan.selected
     batch = {k: torch.stack([data[i][k] for i in selected]) for k in ("input_ids", "attention_mask", "labels")}
-    losses = per_sample_lm_loss(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                                batch["labels"])
-    coefficients = torch.tensor([(plan.cluster_sizes[c] / len(labels)) / plan.kept_sizes[c]
-                                 for c in labels[selected]], dtype=torch.float32)
-    (losses * coefficients).sum().backward()
+    sums, counts = token_loss_sums(model(input_ids=batch["input_ids"],
+                                         attention_mask=batch["attention_mask"]).logits, batch["labels"])
+    weights = torch.tensor(plan.weights[selected], dtype=torch.float32)
+    assert len(set(counts.tolist())) > 1  # answers of different lengths: the two reductions differ
+    if reduction == "sample":
+        ((sums / counts) * weights).mean().backward()
+    else:
+        ((sums * weights).sum() / counts.sum()).backward()
     for name, param in model.named_parameters():
         assert np.allclose(delta[name], param.grad.numpy(), rtol=0, atol=1e-5), name
 

@@ -43,11 +43,26 @@ def test_equal_budget_fills_smallest_first():
     assert kept.tolist() == [23, 5, 22, 10]
 
 
-def test_proportional_budget_one_each_then_by_size():
-    kept = cluster_budgets(np.array([600, 300, 100]), "proportional", 0.5)  # S = 500
-    assert kept.sum() == 500
-    # 497 shared 600:300:100 = 298.2, 149.1, 49.7: floors 298, 149, 49, the one left goes to the largest remainder.
-    assert kept.tolist() == [1 + 298, 1 + 149, 1 + 50]
+def test_proportional_budget_keeps_r_times_each_cluster():
+    assert cluster_budgets(np.array([600, 300, 100]), "proportional", 0.5).tolist() == [300, 150, 50]
+    # r = 0.5 over 1000/300/25/60/40 (S = 712): 500, 150, 12.5, 30, 20; the half goes down, not every cluster.
+    sizes = np.array([1000, 300, 25, 60, 40])
+    kept = cluster_budgets(sizes, "proportional", 0.5)
+    assert kept.tolist() == [500, 150, 12, 30, 20]
+    # A cluster whose share is below one keeps one.
+    assert cluster_budgets(np.array([1000, 3]), "proportional", 0.1).tolist() == [99, 1]  # S = 100
+
+
+@given(sizes=st.lists(st.integers(1, 500), min_size=1, max_size=12), ratio=st.floats(0.01, 1.0))
+@settings(max_examples=200, deadline=None)
+def test_proportional_budget_is_within_one_of_r_times_size(sizes, ratio):
+    sizes = np.array(sizes)
+    if round(ratio * sizes.sum()) < sizes.size:
+        return  # a budget smaller than the number of clusters is refused (tested elsewhere)
+    kept = cluster_budgets(sizes, "proportional", ratio)
+    share = round(ratio * sizes.sum()) * sizes / sizes.sum()
+    assert (kept >= 1).all() and (kept <= sizes).all()
+    assert (np.abs(kept - share) < 1 + 1e-9).all()
 
 
 def test_neyman_budget_follows_size_times_spread():
@@ -90,6 +105,26 @@ def test_peripheral_core_and_norm_keep_what_their_names_say():
     assert len(random_pick) == 3 and (np.bincount(labels[random_pick]) == kept).all()
 
 
+def test_spread_takes_every_quantile_of_the_distance():
+    labels = np.zeros(10, dtype=np.int64)
+    distances = np.arange(10, dtype=np.float64)[::-1]  # sample 9 is the most central, sample 0 the farthest
+    # Ordered by distance: 9, 8, ..., 0; the middles of 5 slices of 2 are positions 1, 3, 5, 7, 9.
+    assert select_in_clusters(labels, np.array([5]), "spread", distances=distances).tolist() == [0, 2, 4, 6, 8]
+    assert select_in_clusters(labels, np.array([1]), "spread", distances=distances).tolist() == [4]
+
+
+def test_kcenter_covers_the_cluster_greedily_from_its_centre():
+    # Points on a line; the centre is at 0. First the central point, then the farthest from it, then the
+    # farthest from both: 0, then 10, then -6 (distance 6 from 0 beats 5 from 0 or 10).
+    points = np.array([[0.0], [10.0], [-6.0], [5.0], [1.0]], dtype=np.float32)
+    labels = np.zeros(5, dtype=np.int64)
+    distances = np.abs(points[:, 0]).astype(np.float64)
+    chosen = select_in_clusters(labels, np.array([3]), "kcenter", distances=distances, features=points)
+    assert chosen.tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="'kcenter' needs the features"):
+        select_in_clusters(labels, np.array([3]), "kcenter", distances=distances)
+
+
 def test_peripheral_plan_keeps_farthest_from_centroid():
     features, _ = blobs([80, 40, 30])
     plan = build_plan(features, config(num_clusters=3, budget_ratio=0.5, capacity_factor=None),
@@ -98,8 +133,7 @@ def test_peripheral_plan_keeps_farthest_from_centroid():
         members = np.flatnonzero(plan.labels == cluster)
         kept = np.intersect1d(members, plan.selected)
         dropped = np.setdiff1d(members, plan.selected)
-        centroid = features[members].mean(axis=0)
-        dist = np.linalg.norm(features - centroid, axis=1)
+        dist = np.linalg.norm(features - plan.centroids[cluster], axis=1)  # k-means' own centre
         assert dist[kept].min() >= dist[dropped].max() - 1e-5
 
 

@@ -43,7 +43,7 @@ from ds_cluster.batching import BatchShape
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.fileio import write_json_atomic
 from ds_cluster.integrations import plan_setup
-from ds_cluster.loss import weighted_causal_lm_loss
+from ds_cluster.loss import LOSS_NORMALIZER, weighted_causal_lm_loss
 from ds_cluster.plan import Plan
 from ds_cluster.sampler import SAMPLE_INDEX, SAMPLE_WEIGHT, ClusterDataLoader
 
@@ -80,7 +80,7 @@ class PlanBatchSampler(Sampler[list[int]]):
         self.loader.epoch, self.loader.position = int(epoch), 0
 
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self.loader.rank_schedule(self.loader.epoch).tolist()
+        yield from self.loader.prepare_epoch(self.loader.epoch).tolist()
 
 
 class PlanDataLoader(DataLoader):
@@ -88,6 +88,12 @@ class PlanDataLoader(DataLoader):
 
     def set_epoch(self, epoch: int) -> None:
         self.batch_sampler.set_epoch(epoch)  # type: ignore[union-attr]
+
+    def __iter__(self) -> Any:
+        # The loss normalisers of the epoch are set before worker processes copy the dataset.
+        loader = self.batch_sampler.loader  # type: ignore[union-attr]
+        loader.prepare_epoch(loader.epoch)
+        return super().__iter__()
 
 
 def _cluster_config(config: Union[None, ClusterSamplingConfig, Mapping[str, Any]], ds_config: Any
@@ -112,7 +118,7 @@ class ClusterTrainer(Trainer):
     or a `cluster_sampling` dict) instead of the block in `args.deepspeed`.
     """
 
-    # Our loss is a mean over one micro-batch: Trainer divides it by the accumulation steps.
+    # Our loss (either reduction) is made to be divided by the accumulation steps, as DeepSpeed does for the hook.
     loss_is_scaled_for_ga = False
 
     def __init__(self, *args: Any, cluster_config: Union[None, ClusterSamplingConfig, Mapping[str, Any]] = None,
@@ -157,7 +163,8 @@ class ClusterTrainer(Trainer):
             # Trainer's column filter knows nothing of sample_index/sample_weight: apply it to the
             # user's fields only, inside the collate that adds the two back.
             user_collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
-        self.cluster_loader = ClusterDataLoader(dataset, plan, distributed.get_rank(), collate_fn=user_collate)
+        self.cluster_loader = ClusterDataLoader(dataset, plan, distributed.get_rank(), collate_fn=user_collate,
+                                                sum_over_ranks=distributed.sum_over_ranks)
         if self._resume_checkpoint is not None:
             self._check_sampler_state(self._resume_checkpoint, plan)
         return PlanDataLoader(self.cluster_loader.dataset, batch_sampler=PlanBatchSampler(self.cluster_loader),
@@ -172,7 +179,8 @@ class ClusterTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         # Labels stay out of the forward: the model would compute an unweighted loss we do not use.
-        model_inputs = {k: v for k, v in inputs.items() if k not in (SAMPLE_INDEX, SAMPLE_WEIGHT, "labels")}
+        model_inputs = {k: v for k, v in inputs.items()
+                        if k not in (SAMPLE_INDEX, SAMPLE_WEIGHT, LOSS_NORMALIZER, "labels")}
         outputs = model(**model_inputs)
         loss = weighted_causal_lm_loss(outputs, inputs)
         return (loss, outputs) if return_outputs else loss

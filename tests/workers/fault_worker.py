@@ -4,6 +4,7 @@ The training script itself is unchanged (no test-only code paths in it or in the
 library): this wrapper patches around it, driven by environment variables.
 
     DS_CLUSTER_TEST_KILL_AFTER_STEP=K   the chosen rank SIGKILLs itself right after optimizer step K
+    DS_CLUSTER_TEST_KILL_AFTER_SHARD=K  the chosen rank SIGKILLs itself after writing K feature-store shards
     DS_CLUSTER_TEST_KILL_RANK=R         which rank (default 1)
     DS_CLUSTER_TEST_RANK_ARGS=JSON      per-rank replacements of the training script's options, e.g.
                                         {"1": {"--data": "other.jsonl"}}: rank 1 gets other data
@@ -19,6 +20,7 @@ import sys
 
 KILL_AFTER_STEP_VAR = "DS_CLUSTER_TEST_KILL_AFTER_STEP"
 KILL_RANK_VAR = "DS_CLUSTER_TEST_KILL_RANK"
+KILL_AFTER_SHARD_VAR = "DS_CLUSTER_TEST_KILL_AFTER_SHARD"
 RANK_ARGS_VAR = "DS_CLUSTER_TEST_RANK_ARGS"
 
 
@@ -46,6 +48,23 @@ def kill_after_step(step_limit: int) -> None:
     DeepSpeedEngine.step = step_then_maybe_die
 
 
+def kill_after_shards(shard_limit: int) -> None:
+    """SIGKILL this process right after it has written `shard_limit` feature-store shards."""
+    from ds_cluster.features.store import FeatureStore
+
+    original_write = FeatureStore.write_shard
+    written = []
+
+    def write_then_maybe_die(self, *args, **kwargs):
+        result = original_write(self, *args, **kwargs)
+        written.append(result)
+        if len(written) >= shard_limit:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    FeatureStore.write_shard = write_then_maybe_die
+
+
 def main() -> int:
     rank = os.environ.get("RANK", "0")
     argv = sys.argv[1:]
@@ -53,6 +72,8 @@ def main() -> int:
     argv = replace_options(argv, per_rank.get(rank, {}))
     if KILL_AFTER_STEP_VAR in os.environ and rank == os.environ.get(KILL_RANK_VAR, "1"):
         kill_after_step(int(os.environ[KILL_AFTER_STEP_VAR]))
+    if KILL_AFTER_SHARD_VAR in os.environ and rank == os.environ.get(KILL_RANK_VAR, "1"):
+        kill_after_shards(int(os.environ[KILL_AFTER_SHARD_VAR]))
     from ds_cluster import train
 
     return train.main(argv)
