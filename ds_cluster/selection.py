@@ -185,17 +185,7 @@ def select_in_clusters(
         raise ValueError(f"selection '{strategy}' needs features (distances to centroids); use 'random' without them")
     if strategy == "norm" and norms is None:
         raise ValueError("selection 'norm' needs features (their norms); use 'random' without them")
-    if strategy == "random":
-        sort_key = rng.permutation(labels.size)
-    elif strategy in ("peripheral", "mix"):
-        sort_key = -np.asarray(distances, dtype=np.float64)
-    elif strategy in ("core", "spread", "kcenter"):
-        sort_key = np.asarray(distances, dtype=np.float64)
-    elif strategy == "norm":
-        sort_key = -np.asarray(norms, dtype=np.float64)
-    else:
-        raise ValueError("selection must be one of peripheral, core, random, mix, norm, spread, kcenter; "
-                         f"got {strategy!r}")
+    sort_key = _sort_key(strategy, labels.size, distances, norms, rng)
     if strategy == "kcenter" and features is None:
         raise ValueError("selection 'kcenter' needs the features themselves; use 'spread' or 'random' without them")
 
@@ -224,6 +214,20 @@ def select_in_clusters(
         else:
             chosen.append(members[:keep])
     return np.sort(np.concatenate(chosen)).astype(np.int64)
+
+
+def _sort_key(strategy: str, size: int, distances: Optional[np.ndarray], norms: Optional[np.ndarray],
+              rng: np.random.Generator) -> np.ndarray:
+    """The order a strategy reads each cluster in (ascending key first)."""
+    if strategy == "random":
+        return rng.permutation(size)
+    if strategy in ("peripheral", "mix"):
+        return -np.asarray(distances, dtype=np.float64)
+    if strategy in ("core", "spread", "kcenter"):
+        return np.asarray(distances, dtype=np.float64)
+    if strategy == "norm":
+        return -np.asarray(norms, dtype=np.float64)
+    raise ValueError(f"selection must be one of peripheral, core, random, mix, norm, spread, kcenter; got {strategy!r}")
 
 
 def k_center_greedy(features: np.ndarray, members: np.ndarray, keep: int) -> np.ndarray:
