@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ds_cluster.ds_config import BLOCK_PATH, ConfigSource, cluster_block, read_ds_config
 
@@ -25,6 +25,20 @@ PAPER_PRESET: dict[str, Any] = {
     "feature_kind": "proxy",
     "normalize_features": True,
 }
+# ds_cluster's recommended settings, chosen on the benchmark's validation split (bench/README.md).
+RECOMMENDED_PRESET: dict[str, Any] = {
+    "num_clusters": 8,
+    "budget_mode": "equal",
+    "selection": "random",
+    "capacity_factor": None,
+    "kmeans_n_init": 10,
+    "allocation": "stratified",
+    "weighting": "none",
+    "loss_reduction": "token",
+    "feature_kind": "proxy",
+    "normalize_features": True,
+}
+PRESETS: dict[str, dict[str, Any]] = {"paper": PAPER_PRESET, "recommended": RECOMMENDED_PRESET}
 
 
 class ClusterSamplingConfig(BaseModel):
@@ -33,7 +47,7 @@ class ClusterSamplingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
     enabled: bool = False
-    preset: Optional[Literal["paper"]] = None
+    preset: Optional[Literal["paper", "recommended"]] = None
     num_clusters: Union[Literal["auto"], int] = "auto"
     budget_mode: Literal["min", "proportional", "equal", "neyman"] = "min"
     budget_ratio: float = Field(1.0, gt=0.0, le=1.0)
@@ -49,7 +63,7 @@ class ClusterSamplingConfig(BaseModel):
     loss_reduction: Literal["sample", "token"] = "sample"
     seed: int = Field(1234, ge=0)
     analysis_path: Optional[str] = None
-    feature_kind: Literal["proxy", "lm_head", "layers"] = "proxy"
+    feature_kind: Literal["proxy", "lm_head"] = "proxy"
     feature_dim: Optional[int] = Field(None, ge=1)
     normalize_features: bool = True
 
@@ -57,11 +71,20 @@ class ClusterSamplingConfig(BaseModel):
     @classmethod
     def _apply_preset(cls, values: Any) -> Any:
         # A preset fills what the user did not set; explicit keys always win.
-        if isinstance(values, Mapping) and values.get("preset") == "paper":
-            merged = dict(PAPER_PRESET)
+        if isinstance(values, Mapping) and values.get("preset") in PRESETS:
+            merged = dict(PRESETS[values["preset"]])
             merged.update(values)
             return merged
         return values
+
+    @field_validator("feature_kind", mode="before")
+    @classmethod
+    def _no_layers(cls, value: Any) -> Any:
+        if value == "layers":
+            raise ValueError("feature kind 'layers' is not available (per-sample gradients of inner layers are not "
+                             "implemented); use 'proxy' (the paper's feature) or 'lm_head' (the exact output-layer "
+                             "gradient, projected)")
+        return value
 
     @model_validator(mode="after")
     def _check_num_clusters(self) -> "ClusterSamplingConfig":

@@ -67,6 +67,8 @@ CONFIG_CASES = [
     ({"enabled": True, "kmeans_n_init": 0}, ["'kmeans_n_init'", "greater than or equal to 1"]),
     ({"enabled": True, "budget_samples": 0}, ["'budget_samples'", "greater than or equal to 1"]),
     ({"enabled": "maybe"}, ["'enabled'", "'maybe'"]),
+    ({"enabled": True, "feature_kind": "layers"}, ["'feature_kind'", "'layers' is not available", "'proxy'", "'lm_head'"]),
+    ({"enabled": True, "loss_reduction": "mean"}, ["'loss_reduction'", "'sample'", "'token'"]),
 ]
 
 

@@ -131,7 +131,7 @@ def test_clear_errors_for_bad_models_and_dims(model, dataset):
         run_extraction(model, dataset, kind="lm_head", dim=VOCAB * HIDDEN + 1, show_progress=False)
     with pytest.raises(ValueError, match="hidden size"):
         run_extraction(model, dataset, kind="proxy", dim=16, show_progress=False)
-    with pytest.raises(NotImplementedError, match="layers"):
+    with pytest.raises(ValueError, match="unknown feature kind 'layers'; use 'proxy' .* or 'lm_head'"):
         run_extraction(model, dataset, kind="layers", show_progress=False)
 
 

@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="Alpaca-style JSONL file (instruction, input, output[, family]) or a "
                              "datasets save_to_disk folder")
     parser.add_argument("--out", required=True, metavar="DIR", help="analysis directory to write (replaced atomically)")
-    parser.add_argument("--kind", choices=("proxy", "lm_head", "layers"), default=None,
+    parser.add_argument("--kind", choices=("proxy", "lm_head"), default=None,
                         help="feature: 'proxy' = mean (p_t - 1) h_t (the paper's, d = hidden size), 'lm_head' = "
                              "the exact output-layer gradient randomly projected to --dim (default: the config's "
                              "feature_kind)")

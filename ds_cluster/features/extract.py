@@ -32,7 +32,7 @@ from ds_cluster.features.store import DEFAULT_SHARD_SIZE, FeatureStore, StoreMan
 
 logger = logging.getLogger(__name__)
 
-FeatureKind = Literal["proxy", "lm_head", "layers"]
+FeatureKind = Literal["proxy", "lm_head"]
 DEFAULT_LM_HEAD_DIM = 1024
 
 
@@ -174,12 +174,9 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, d
     extra memory). `on_shard_done(shard)` is called after each shard this
     rank finished (tests use it to crash mid-run).
     """
-    if kind == "layers":
-        raise NotImplementedError(
-            "feature kind 'layers' (per-sample gradients of chosen layers through hooks, with a backward "
-            "pass under ZeRO) is not implemented yet; use 'proxy' or 'lm_head'")
     if kind not in ("proxy", "lm_head"):
-        raise ValueError(f"unknown feature kind {kind!r}; expected 'proxy', 'lm_head' or 'layers'")
+        raise ValueError(f"unknown feature kind {kind!r}; use 'proxy' (the paper's feature) or 'lm_head' (the "
+                         "exact output-layer gradient, projected)")
     if batch_size < 1 or shard_size < 1:
         raise ValueError(f"batch_size and shard_size must be >= 1, got {batch_size} and {shard_size}")
     if len(dataset) == 0:

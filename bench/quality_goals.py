@@ -1,0 +1,48 @@
+"""The goals the benchmark judges (held-out split, as measured; a goal not reached is reported as not met).
+
+For ds_cluster's recommended preset at every kept fraction of the run (30% to 50%), with the
+paper preset judged the same way beside it:
+- total CPU time, selection included, at most TIME_RATIO_MAX of full data;
+- a lower macro answer loss than the random subset of the same size: the 95% confidence interval of
+  the paired difference entirely below zero;
+- a lower worst-family answer loss than the random subset's (mean over the paired seeds);
+- macro exact match within EXACT_MATCH_GAP_MAX of full data.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+TIME_RATIO_MAX = 0.40
+EXACT_MATCH_GAP_MAX = 0.01
+
+
+def evaluate_goals(summary: dict, settings: Any) -> list[dict]:
+    settings_summary = summary["settings"]
+    full = settings_summary.get("full")
+    rows = []
+    for method in ("recommended", "paper"):
+        for fraction in settings.fractions:
+            entry = settings_summary.get(f"{method}_f{fraction:g}")
+            if entry is None or full is None:
+                continue
+            label = f"{method} preset, {fraction:.0%} kept"
+            ratio = entry["ratio_total_cpu"]
+            rows.append({"goal": f"{label}: total CPU time <= {TIME_RATIO_MAX} of full data",
+                         "met": ratio["mean"] <= TIME_RATIO_MAX,
+                         "measured": f"{ratio['mean']:.3f} ± {ratio['ci']:.3f} (kept {entry['kept_fraction']['mean']:.3f})"})
+            versus = entry.get("vs_random")
+            if versus:
+                macro = versus["loss_macro"]
+                rows.append({"goal": f"{label}: macro answer loss below random's (95% CI of the paired difference < 0)",
+                             "met": macro["mean"] + macro["ci"] < 0,
+                             "measured": f"difference {macro['mean']:+.4f} ± {macro['ci']:.4f} over {macro['n']} seeds"})
+                worst = versus["loss_worst"]
+                rows.append({"goal": f"{label}: worst-family answer loss below random's",
+                             "met": worst["mean"] < 0,
+                             "measured": f"difference {worst['mean']:+.4f} ± {worst['ci']:.4f}"})
+            gap = full["em_macro"]["mean"] - entry["em_macro"]["mean"]
+            rows.append({"goal": f"{label}: macro exact match within {EXACT_MATCH_GAP_MAX * 100:.0f} point of full data",
+                         "met": gap <= EXACT_MATCH_GAP_MAX,
+                         "measured": f"{entry['em_macro']['mean']:.3f} vs full {full['em_macro']['mean']:.3f} "
+                                     f"(gap {gap * 100:+.1f} points)"})
+    return rows

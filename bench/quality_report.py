@@ -1,0 +1,241 @@
+"""The quality benchmark's report: paired differences with confidence intervals, time broken down, goals.
+
+Reads WORK/arms/*.json (bench/quality_job.py) and writes RESULTS/NAME.json (every arm and every
+summary), NAME.md (tables) and NAME.png (quality against total time, one point per setting).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def mean_ci(values: Sequence[float]) -> dict[str, float]:
+    """Mean and the half-width of its 95% confidence interval (Student t over the seeds; nan for one seed)."""
+    array = np.asarray(values, dtype=np.float64)
+    if array.size < 2:
+        return {"mean": float(array.mean()) if array.size else float("nan"), "ci": float("nan"), "n": int(array.size)}
+    half = T_975.get(array.size - 1, 1.96) * array.std(ddof=1) / math.sqrt(array.size)
+    return {"mean": float(array.mean()), "ci": float(half), "n": int(array.size)}
+
+
+def quality(result: dict, split: str) -> dict[str, float]:
+    """Macro and worst-family answer loss and exact match of one arm on one split."""
+    loss, em = result[split]["loss"], result[split]["exact_match"]
+    return {"loss_macro": float(np.mean(list(loss.values()))), "loss_worst": float(max(loss.values())),
+            "em_macro": float(np.mean(list(em.values()))), "em_worst": float(min(em.values()))}
+
+
+def times(result: dict, startup: dict, analyses_cost: dict) -> dict[str, float]:
+    """Time of one arm, CPU seconds over both ranks (and wall), split into its parts."""
+    selection = analyses_cost.get(result["arm"]["analysis"], {"wall": 0.0, "cpu": 0.0})
+    parts = {"startup": startup, "selection": selection, "loop": result["time"]["loop"],
+             "evaluation": result["time"]["evaluation"]}
+    out = {f"{name}_{kind}": float(part[kind]) for name, part in parts.items() for kind in ("cpu", "wall")}
+    for kind in ("cpu", "wall"):
+        out[f"total_{kind}"] = out[f"startup_{kind}"] + out[f"selection_{kind}"] + out[f"loop_{kind}"]
+        out[f"loop_selection_{kind}"] = out[f"selection_{kind}"] + out[f"loop_{kind}"]
+    return out
+
+
+def load_results(work: Path, arms: list[dict]) -> dict[str, dict]:
+    results = {}
+    for arm in arms:
+        path = work / "arms" / f"{arm['name']}.json"
+        if path.exists():
+            results[arm["name"]] = json.loads(path.read_text())
+    return results
+
+
+def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[str, Any]:
+    """Per setting: quality and time over the seeds; per subset setting: paired differences against random."""
+    startup = json.loads((work / "startup.json").read_text()) if (work / "startup.json").exists() else \
+        {"wall": 0.0, "cpu": 0.0}
+    costs = {}
+    for arm in arms:
+        cost_path = Path(work / "analyses" / arm["analysis"] / "cost.json")
+        if cost_path.exists():
+            costs[arm["analysis"]] = json.loads(cost_path.read_text())
+    by_setting: dict[str, dict[int, dict]] = defaultdict(dict)
+    for arm in arms:
+        if arm["name"] in results:
+            by_setting[arm["setting"]][arm["seed"]] = results[arm["name"]]
+    full_time = {seed: times(r, startup, costs) for seed, r in by_setting.get("full", {}).items()}
+    settings: dict[str, Any] = {}
+    for setting, per_seed in by_setting.items():
+        some = next(iter(per_seed.values()))
+        entry: dict[str, Any] = {"method": some["arm"]["method"], "fraction": some["arm"]["fraction"],
+                                 "seeds": sorted(per_seed), "kept_fraction": mean_ci([r["kept_fraction"] for r in per_seed.values()]),
+                                 "steps": mean_ci([r["steps"] for r in per_seed.values()])}
+        for metric in ("loss_macro", "loss_worst", "em_macro", "em_worst"):
+            entry[metric] = mean_ci([quality(r, split)[metric] for r in per_seed.values()])
+        seed_times = {seed: times(r, startup, costs) for seed, r in per_seed.items()}
+        for key in ("total_cpu", "loop_selection_cpu", "total_wall", "loop_selection_wall"):
+            ratios = [seed_times[s][key] / full_time[s][key] for s in per_seed if s in full_time]
+            entry[f"ratio_{key}"] = mean_ci(ratios)
+        entry["time"] = {key: mean_ci([t[key] for t in seed_times.values()]) for key in next(iter(seed_times.values()))}
+        entry["per_family"] = {metric: {family: mean_ci([r[split][metric][family] for r in per_seed.values()])
+                                        for family in some[split][metric]} for metric in ("loss", "exact_match")}
+        fraction = some["arm"]["fraction"]
+        baseline_name = f"random_f{fraction:g}" if fraction is not None else None
+        baseline = by_setting.get(baseline_name) if baseline_name else None
+        if baseline and setting != baseline_name:
+            paired = [s for s in per_seed if s in baseline]
+            entry["vs_random"] = {metric: mean_ci([quality(per_seed[s], split)[metric]
+                                                   - quality(baseline[s], split)[metric] for s in paired])
+                                  for metric in ("loss_macro", "loss_worst", "em_macro", "em_worst")}
+        settings[setting] = entry
+    full_epoch = None
+    if full_time:
+        full_any = next(iter(by_setting["full"].values()))
+        full_epoch = full_any["time"]["loop"]["wall"] / full_any["arm"]["epochs"]
+    extraction = {name: {"extract_wall": cost.get("extract_wall"), "cluster_wall": cost.get("cluster_wall"),
+                         "job_cpu": cost["cpu"], "job_wall": cost["wall"],
+                         "extract_over_full_epoch": (cost.get("extract_wall", 0.0) / full_epoch) if full_epoch else None}
+                  for name, cost in costs.items()}
+    return {"split": split, "settings": settings, "startup": startup, "selection": extraction}
+
+
+def _fmt(stat: dict, digits: int = 3) -> str:
+    if stat is None or stat["mean"] != stat["mean"]:
+        return "—"
+    return f"{stat['mean']:.{digits}f}" if stat["ci"] != stat["ci"] else f"{stat['mean']:.{digits}f} ± {stat['ci']:.{digits}f}"
+
+
+def _order(name: str) -> tuple:
+    method_rank = {"full": 0, "full_cut": 1, "random": 2, "oracle": 3, "paper": 4, "recommended": 5}
+    method = name.split("_f")[0]
+    return (method_rank.get(method, 6), name)
+
+
+def table(summary: dict, names: list[str]) -> str:
+    header = ("| setting | seeds | kept | steps | total / full (CPU) | loop+selection / full (CPU) | answer loss macro "
+              "| answer loss worst | exact match macro | exact match worst |")
+    lines = [header, "|" + "---|" * 10]
+    for name in names:
+        e = summary["settings"][name]
+        lines.append(f"| {name} | {len(e['seeds'])} | {_fmt(e['kept_fraction'])} | {e['steps']['mean']:.0f} | "
+                     f"{_fmt(e['ratio_total_cpu'])} | {_fmt(e['ratio_loop_selection_cpu'])} | {_fmt(e['loss_macro'])} | "
+                     f"{_fmt(e['loss_worst'])} | {_fmt(e['em_macro'])} | {_fmt(e['em_worst'])} |")
+    return "\n".join(lines)
+
+
+def paired_table(summary: dict, names: list[str]) -> str:
+    lines = ["| setting minus random (same size, same seed) | seeds | answer loss macro | answer loss worst | "
+             "exact match macro | exact match worst |", "|---|---|---|---|---|---|"]
+    for name in names:
+        e = summary["settings"][name]
+        if "vs_random" in e:
+            v = e["vs_random"]
+            lines.append(f"| {name} | {v['loss_macro']['n']} | {_fmt(v['loss_macro'])} | {_fmt(v['loss_worst'])} | "
+                         f"{_fmt(v['em_macro'])} | {_fmt(v['em_worst'])} |")
+    return "\n".join(lines)
+
+
+def family_table(summary: dict, names: list[str], metric: str) -> str:
+    families = sorted(next(iter(summary["settings"].values()))["per_family"][metric])
+    lines = ["| setting | " + " | ".join(families) + " |", "|---|" + "---|" * len(families)]
+    for name in names:
+        per = summary["settings"][name]["per_family"][metric]
+        lines.append(f"| {name} | " + " | ".join(f"{per[f]['mean']:.3f}" for f in families) + " |")
+    return "\n".join(lines)
+
+
+def time_table(summary: dict, names: list[str]) -> str:
+    parts = ("startup", "selection", "loop", "evaluation")
+    lines = ["| setting | " + " | ".join(f"{p} CPU s (wall s)" for p in parts) + " |", "|---|" + "---|" * len(parts)]
+    for name in names:
+        t = summary["settings"][name]["time"]
+        lines.append(f"| {name} | " + " | ".join(f"{t[p + '_cpu']['mean']:.1f} ({t[p + '_wall']['mean']:.1f})"
+                                                 for p in parts) + " |")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, names: list[str], path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10, 4.2), dpi=100, layout="constrained")
+    for axis, metric, title in zip(figure.subplots(1, 2), ("loss_macro", "loss_worst"),
+                                   ("macro answer loss", "worst-family answer loss")):
+        for name in names:
+            e = summary["settings"][name]
+            x, y = e["ratio_total_cpu"], e[metric]
+            if x["mean"] != x["mean"]:
+                continue
+            axis.errorbar(x["mean"], y["mean"], xerr=0 if x["ci"] != x["ci"] else x["ci"],
+                          yerr=0 if y["ci"] != y["ci"] else y["ci"], fmt="o", capsize=3, label=name)
+        axis.set_xlabel("total CPU time / full data")
+        axis.set_ylabel(f"{title} ({summary['split']})")
+        axis.grid(alpha=0.3)
+    figure.axes[0].legend(fontsize=7, loc="best")
+    figure.savefig(path, format="png", metadata={"Software": None})
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import deepspeed
+    import torch
+
+    return (f"{cpu}, {os.cpu_count()} cores; {platform.platform()}; Python {platform.python_version()}, "
+            f"torch {torch.__version__}, DeepSpeed {deepspeed.__version__}")
+
+
+def write_report(settings: Any, data: dict, arms: list[dict], validation_only: bool = False,
+                 goals: Optional[list[dict]] = None) -> dict[str, Any]:
+    """Summaries on validation (and held-out unless validation_only), the markdown, the plot and the JSON."""
+    from bench.quality_goals import evaluate_goals
+
+    work = Path(settings.work_dir)
+    results = load_results(work, arms)
+    splits = ["validation"] if validation_only else ["validation", "heldout"]
+    summaries = {split: summarize(arms, results, work, split) for split in splits}
+    main_split = splits[-1]
+    names = sorted(summaries[main_split]["settings"], key=_order)
+    gate = json.loads((work / "gate.json").read_text()) if (work / "gate.json").exists() else None
+    goal_rows = [] if validation_only else evaluate_goals(summaries["heldout"], settings)
+    settings.results_dir.mkdir(parents=True, exist_ok=True)
+    base = settings.results_dir / settings.results_name
+    plot(summaries[main_split], names, base.with_suffix(".png"))
+    lines = [f"# Quality benchmark: {settings.results_name}", "",
+             f"Command: `{settings.command}`. Machine: {machine()}.",
+             f"Data: `{settings.data}` ({data['num_train']} training records after carving validation; family sizes "
+             + ", ".join(f"{f} {n}" for f, n in sorted(data["sizes"].items(), key=lambda kv: -kv[1])) + ").",
+             f"Recipe (chosen on validation): {settings.epochs} epochs, lr {settings.learning_rate}, warmup "
+             f"{settings.warmup_fraction:.0%} then cosine to 0 at each arm's own last step, AdamW (0.9, 0.95), 2 ranks x "
+             f"micro batch {settings.micro_batch_size}, ZeRO-2, one DeepSpeed job for every arm.", ""]
+    lines += ["## Calibration gate", "", "```", gate["text"] if gate else "(not run)", "```", ""]
+    for split in splits:
+        s = summaries[split]
+        lines += [f"## {split}: every setting (mean ± 95% CI over paired seeds)", "", table(s, names), "",
+                  f"## {split}: paired differences against the random subset of the same size", "",
+                  paired_table(s, names), ""]
+    s = summaries[main_split]
+    lines += [f"## {main_split}: answer loss per family", "", family_table(s, names, "loss"), "",
+              f"## {main_split}: exact match per family", "", family_table(s, names, "exact_match"), "",
+              "## Time (CPU s over both ranks, wall s in brackets; mean over seeds)", "", time_table(s, names), "",
+              f"Start-up of the one job: {s['startup']['cpu']:.1f} CPU s ({s['startup']['wall']:.1f} s wall), charged "
+              "to every arm once. Selection = the analysis (forward-only features + k-means), charged in full to "
+              "every arm that reads it: " + "; ".join(
+                  f"{n}: {c['job_cpu']:.1f} CPU s, extraction {c['extract_wall']:.1f} s wall = "
+                  f"{(c['extract_over_full_epoch'] or 0):.2f} of a full-data epoch" for n, c in s["selection"].items()), ""]
+    if goal_rows:
+        lines += ["## Goals", ""] + [f"- {g['goal']}: **{'met' if g['met'] else 'NOT met'}** — {g['measured']}"
+                                     for g in goal_rows] + [""]
+    markdown_path = base.with_suffix(".md")
+    markdown_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    base.with_suffix(".json").write_text(json.dumps({"summaries": summaries, "gate": gate, "goals": goal_rows,
+                                                     "arms": results, "machine": machine()}, indent=1, default=str))
+    return {"markdown_path": markdown_path, "summaries": summaries, "goals": goal_rows}
