@@ -16,7 +16,7 @@ Clusters are shuffled inside themselves every epoch from (seed, epoch).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import numpy as np
 
@@ -40,6 +40,10 @@ class Allocation(ABC):
     @abstractmethod
     def layout(self, members: list[np.ndarray], quotas: np.ndarray, shape: BatchShape) -> np.ndarray:
         """One epoch from each cluster's (shuffled) kept indices: int64 (steps, world, accumulation, micro)."""
+
+    @abstractmethod
+    def rank_layout(self, members: list[np.ndarray], quotas: np.ndarray, shape: BatchShape, rank: int) -> np.ndarray:
+        """One rank's part of `layout` (steps, accumulation, micro), built without the other ranks' parts."""
 
     @abstractmethod
     def too_small(self, kept_sizes: np.ndarray, shape: BatchShape) -> str:
@@ -81,6 +85,26 @@ class Stratified(Allocation):
             batches.reshape(steps, shape.micro_batch_size, shape.gradient_accumulation_steps, shape.world_size)
             .transpose(0, 3, 2, 1))
 
+    def rank_layout(self, members: list[np.ndarray], quotas: np.ndarray, shape: BatchShape, rank: int) -> np.ndarray:
+        # Slot p of a global batch goes to rank p % W (see layout): this rank's slots, micro-major.
+        steps = quotas.shape[0]
+        micro, accumulation, world = shape.micro_batch_size, shape.gradient_accumulation_steps, shape.world_size
+        slots = (np.arange(micro)[None, :] * accumulation * world + np.arange(accumulation)[:, None] * world
+                 + rank).ravel()  # (accumulation * micro,), in (accumulation, micro) order
+        ends = np.cumsum(quotas, axis=1)  # where each cluster's segment ends inside a batch
+        # The cluster of every slot of every step, with one search over all steps' segment ends.
+        batch_size = shape.global_batch_size
+        flat_ends = (ends + (np.arange(steps, dtype=np.int64) * batch_size)[:, None]).ravel()
+        wanted = (np.arange(steps, dtype=np.int64) * batch_size)[:, None] + slots[None, :]
+        cluster = np.searchsorted(flat_ends, wanted, side="right") - (np.arange(steps) * quotas.shape[1])[:, None]
+        offset = np.take_along_axis(ends - quotas, cluster, axis=1)
+        # Where each cluster's stream is at the start of each step, and where it sits in one flat array.
+        taken_before = np.take_along_axis(np.cumsum(quotas, axis=0) - quotas, cluster, axis=1)
+        sizes = np.array([group.size for group in members], dtype=np.int64)
+        flat = np.concatenate(members) if members else np.zeros(0, dtype=np.int64)
+        position = (np.cumsum(sizes) - sizes)[cluster] + taken_before + (slots[None, :] - offset)
+        return flat[position].reshape(steps, accumulation, micro)
+
     def too_small(self, kept_sizes: np.ndarray, shape: BatchShape) -> str:
         return (f"one global batch ({shape.global_batch_size} samples = world {shape.world_size} x micro "
                 f"{shape.micro_batch_size} x gas {shape.gradient_accumulation_steps})")
@@ -111,6 +135,11 @@ class ClusterPerRank(Allocation):
         return np.ascontiguousarray(
             by_rank.reshape(shape.world_size, steps, shape.gradient_accumulation_steps, shape.micro_batch_size)
             .transpose(1, 0, 2, 3))
+
+    def rank_layout(self, members: list[np.ndarray], quotas: np.ndarray, shape: BatchShape, rank: int) -> np.ndarray:
+        steps = quotas.shape[0]
+        return members[rank][:steps * shape.per_rank].reshape(steps, shape.gradient_accumulation_steps,
+                                                              shape.micro_batch_size)
 
     def too_small(self, kept_sizes: np.ndarray, shape: BatchShape) -> str:
         return (f"one global batch per rank (cluster_per_rank: {shape.per_rank} samples = micro "
@@ -169,13 +198,21 @@ def cluster_members(selected: np.ndarray, selected_labels: np.ndarray, num_clust
     return [selected[order[bounds[c]:bounds[c + 1]]] for c in range(num_clusters)]
 
 
+def shuffled_members(members: list[np.ndarray], seed: int, epoch: int) -> list[np.ndarray]:
+    """Each cluster's kept indices in this epoch's order (from (seed, epoch) only: the same on every rank)."""
+    rng = np.random.default_rng([seed, epoch, 0xA110C])
+    return [group[rng.permutation(group.size)] for group in members]
+
+
 def epoch_schedule(members: list[np.ndarray], strategy: Allocation, shape: BatchShape, *, seed: int, epoch: int,
-                   quotas: np.ndarray) -> np.ndarray:
-    """Sample indices of one epoch: int64 (steps, world, accumulation, micro).
+                   quotas: np.ndarray, rank: Optional[int] = None) -> np.ndarray:
+    """Sample indices of one epoch: int64 (steps, world, accumulation, micro), or one rank's
+    (steps, accumulation, micro) when `rank` is given (only that part is built: O(N / W) memory).
 
     `members` are each cluster's kept indices (`cluster_members`); they are
     shuffled inside each cluster from (seed, epoch), then laid out.
     """
-    rng = np.random.default_rng([seed, epoch, 0xA110C])
-    shuffled = [group[rng.permutation(group.size)] for group in members]
-    return strategy.layout(shuffled, quotas, shape)
+    shuffled = shuffled_members(members, seed, epoch)
+    if rank is None:
+        return strategy.layout(shuffled, quotas, shape)
+    return strategy.rank_layout(shuffled, quotas, shape, rank)

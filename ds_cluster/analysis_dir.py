@@ -42,6 +42,13 @@ class PlanInputs:
     features: Optional[np.ndarray]
     labels: Optional[np.ndarray]
     exclude: Optional[np.ndarray]
+    distances: Optional[np.ndarray] = None  # with labels: each sample's distance to its k-means centre
+    centroids: Optional[np.ndarray] = None
+
+    def plan_arguments(self) -> dict:
+        """Keyword arguments of `build_plan` (features first)."""
+        return {"features": self.features, "labels": self.labels, "exclude": self.exclude,
+                "distances": self.distances, "centroids": self.centroids}
 
 
 class AnalysisDir:
@@ -109,7 +116,14 @@ class AnalysisDir:
                 exclude = None
         if labels is not None and not np.issubdtype(labels.dtype, np.integer):
             raise ValueError(f"{self.path / 'labels.npy'} must hold integers, got {labels.dtype}")
-        return PlanInputs(features, labels, exclude)
+        # The clustering's own geometry, when the analysis recorded it next to its labels.
+        distances = self._array("distances.npy", ndim=1) if labels is not None else None
+        centroids = self._array("centroids.npy", ndim=2) if distances is not None else None
+        if distances is not None and distances.shape[0] != dataset_size:
+            raise ValueError(f"{self.path / 'distances.npy'} has {distances.shape[0]} rows, not {dataset_size}")
+        if labels is not None and exclude is not None:
+            labels = np.where(exclude, -1, labels)
+        return PlanInputs(features, labels, exclude, distances, centroids)
 
     def check_dataset(self, dataset_fingerprint: Optional[str]) -> None:
         """Refuse an analysis whose manifest records another dataset than `dataset_fingerprint`."""

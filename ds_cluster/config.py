@@ -71,7 +71,8 @@ class ClusterSamplingConfig(BaseModel):
     @classmethod
     def _apply_preset(cls, values: Any) -> Any:
         # A preset fills what the user did not set; explicit keys always win.
-        if isinstance(values, Mapping) and values.get("preset") in PRESETS:
+        preset = values.get("preset") if isinstance(values, Mapping) else None
+        if isinstance(preset, str) and preset in PRESETS:
             merged = dict(PRESETS[values["preset"]])
             merged.update(values)
             return merged

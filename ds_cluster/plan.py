@@ -98,10 +98,20 @@ class Plan:
 
     def schedule(self, epoch: int) -> np.ndarray:
         """Sample indices of one epoch: int64 (steps, world_size, gradient_accumulation_steps, micro_batch_size)."""
+        return epoch_schedule(self._cluster_members(), self.strategy, self.batch_shape, seed=self.seed, epoch=epoch,
+                              quotas=self.quotas())
+
+    def rank_schedule(self, epoch: int, rank: int) -> np.ndarray:
+        """One rank's part of `schedule(epoch)`: int64 (steps, accumulation, micro), built alone (O(N / W))."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the plan's world size {self.world_size}")
+        return epoch_schedule(self._cluster_members(), self.strategy, self.batch_shape, seed=self.seed, epoch=epoch,
+                              quotas=self.quotas(), rank=rank)
+
+    def _cluster_members(self) -> list:
         if self._members is None:
             self._members = cluster_members(self.selected, self.selected_labels, self.num_clusters)
-        return epoch_schedule(self._members, self.strategy, self.batch_shape, seed=self.seed, epoch=epoch,
-                              quotas=self.quotas())
+        return self._members
 
     # ---------------------------------------------------------- fingerprint
     def fingerprint(self) -> str:
@@ -215,6 +225,8 @@ def build_plan(
     gradient_accumulation_steps: int,
     labels: Optional[np.ndarray] = None,
     exclude: Optional[np.ndarray] = None,
+    distances: Optional[np.ndarray] = None,
+    centroids: Optional[np.ndarray] = None,
 ) -> Plan:
     """Cluster (unless labels are given), select a balanced subset, weight it, and allocate it.
 
@@ -222,16 +234,24 @@ def build_plan(
     selection needs no geometry ("random"). labels: (N,) ints >= 0 (a
     cluster or category per sample; -1 leaves a sample out), which skips
     k-means. exclude: (N,) bool, samples never trained on (e.g. no response
-    tokens); they get label -1 and weight 0.
+    tokens); they get label -1 and weight 0. distances (N,) and centroids
+    (K, d), with labels: the clustering's own (an analysis records k-means'
+    centres and each sample's distance to its centre); without them the
+    centres are the member means.
     """
     shape = BatchShape(world_size, micro_batch_size, gradient_accumulation_steps)
     strategy = allocation_strategy(config.allocation)
     num_samples, points = _check_inputs(features, labels, exclude)
-    clusters, kept_rows = _clusters(points, labels, exclude, num_samples, config, world_size)
+    if distances is not None and (labels is None or np.asarray(distances).shape != (num_samples,)):
+        raise ValueError(f"distances must come with labels and have shape ({num_samples},)")
+    has_geometry = points is not None or distances is not None
+    if config.selection in ("norm", "kcenter") and points is None and has_geometry:
+        raise ValueError(f"selection '{config.selection}' needs the features themselves, and there are none "
+                         "(no features.npy in the analysis); use 'peripheral', 'spread' or 'random'")
+    clusters, kept_rows = _clusters(points, labels, exclude, num_samples, config, world_size, distances, centroids)
     num_clusters = clusters.num_clusters
     full_labels, distances = _spread_to_all(clusters, kept_rows, num_samples)
     cluster_sizes = np.bincount(clusters.labels, minlength=num_clusters).astype(np.int64)
-    has_geometry = points is not None
     kept_sizes = cluster_budgets(
         cluster_sizes, config.budget_mode, config.budget_ratio, config.budget_samples,
         cluster_spreads(clusters.distances, clusters.labels, num_clusters) if has_geometry else None,
@@ -264,7 +284,8 @@ def build_plan(
 
 
 def _clusters(points: Optional[np.ndarray], labels: Optional[np.ndarray], exclude: Optional[np.ndarray],
-              num_samples: int, config: ClusterSamplingConfig, world_size: int) -> tuple[ClusterResult, np.ndarray]:
+              num_samples: int, config: ClusterSamplingConfig, world_size: int, distances: Optional[np.ndarray],
+              centroids: Optional[np.ndarray]) -> tuple[ClusterResult, np.ndarray]:
     """The clusters of the samples that take part (k-means, or the given labels), and which rows those are."""
     included = np.ones(num_samples, dtype=bool)
     if exclude is not None:
@@ -279,8 +300,14 @@ def _clusters(points: Optional[np.ndarray], labels: Optional[np.ndarray], exclud
     included_points = None if points is None else (points if everyone else points[kept_rows])
     if labels is not None:
         label_array = np.asarray(labels, dtype=np.int64)
-        compact, num_clusters = _compact_labels(label_array if everyone else label_array[kept_rows])
-        return cluster_from_labels(included_points, compact, num_clusters), kept_rows
+        taking_part = label_array if everyone else label_array[kept_rows]
+        compact, num_clusters = _compact_labels(taking_part)
+        if distances is None:
+            return cluster_from_labels(included_points, compact, num_clusters), kept_rows
+        given = np.asarray(distances, dtype=np.float64)
+        centres = (np.asarray(centroids, dtype=np.float32)[np.flatnonzero(np.bincount(taking_part) > 0)]
+                   if centroids is not None else np.zeros((num_clusters, 0), np.float32))
+        return ClusterResult(compact, centres, given if everyone else given[kept_rows]), kept_rows
     clusters = cluster_features(
         included_points, num_clusters=config.resolved_num_clusters(world_size), n_init=config.kmeans_n_init,
         max_iter=config.kmeans_max_iter, capacity_factor=config.capacity_factor,

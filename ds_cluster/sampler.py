@@ -124,8 +124,7 @@ class ClusterDataLoader:
     def rank_schedule(self, epoch: int) -> np.ndarray:
         """This rank's indices for an epoch: (micro-batches, micro_batch_size), in training order."""
         if self._schedule_epoch != epoch:
-            full = self.plan.schedule(epoch)
-            self._schedule = full[:, self.rank].reshape(-1, self.plan.micro_batch_size)
+            self._schedule = self.plan.rank_schedule(epoch, self.rank).reshape(-1, self.plan.micro_batch_size)
             self._schedule_epoch = epoch
         assert self._schedule is not None
         return self._schedule

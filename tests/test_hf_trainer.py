@@ -36,10 +36,10 @@ def expected_plan(small_job: Path, trainer_config: Path) -> Plan:  # noqa: F811
     num_samples = sum(1 for _ in (small_job / "train.jsonl").open())
     inputs = AnalysisDir(config.analysis_path).load_inputs(num_samples)
     ds_config = json.loads(trainer_config.read_text())
-    return build_plan(inputs.features, config, world_size=WORLD,
+    return build_plan(config=config, world_size=WORLD,
                       micro_batch_size=ds_config["train_micro_batch_size_per_gpu"],
                       gradient_accumulation_steps=ds_config["gradient_accumulation_steps"],
-                      labels=inputs.labels, exclude=inputs.exclude)
+                      **inputs.plan_arguments())
 
 
 def worker_args(job: Path, config: Path, out: Path, *extra: str) -> list[str]:

@@ -86,3 +86,24 @@ def test_paper_preset_keeps_exactly_what_the_reference_keeps(sizes, world_size, 
     assert same_up_to_renaming(plan.labels, labels)
     assert plan.selected.tolist() == selected.tolist()
     np.testing.assert_allclose(plan.weights[plan.selected], weights, rtol=1e-12)
+
+
+@pytest.mark.parametrize("sizes,world_size,ratio,binds", CASES[2:4], ids=["cap binds r1", "cap binds r0.5"])
+def test_the_same_through_an_analysis_folder(tmp_path, sizes, world_size, ratio, binds):
+    """What the hook does: the analysis records labels, k-means centres and distances; the plan reads them."""
+    from ds_cluster.analysis_dir import AnalysisDir
+    from ds_cluster.clustering import cluster_features
+
+    features = skewed_blobs(sizes, seed=len(sizes) + world_size)
+    config = ClusterSamplingConfig(enabled=True, preset="paper", budget_ratio=ratio, seed=7)
+    clusters = cluster_features(features, num_clusters=world_size, n_init=10, capacity_factor=1.5, seed=7)
+    AnalysisDir(tmp_path / "analysis").write({
+        "features.npy": features, "labels.npy": clusters.labels, "distances.npy": clusters.distances,
+        "centroids.npy": clusters.centroids}, {}, {})
+    inputs = AnalysisDir(tmp_path / "analysis").load_inputs(len(features))
+    plan = build_plan(config=config, world_size=world_size, micro_batch_size=1, gradient_accumulation_steps=1,
+                      **inputs.plan_arguments())
+    labels, selected, weights = reference_selection(features, world_size, ratio, seed=7)
+    assert same_up_to_renaming(plan.labels, labels)
+    assert plan.selected.tolist() == selected.tolist()
+    np.testing.assert_allclose(plan.weights[plan.selected], weights, rtol=1e-12)

@@ -423,3 +423,27 @@ def test_left_out_samples_get_no_weight_and_no_slot():
     assert plan.weights[2] == 0 and plan.weights[5] == 0
     assert 2 not in plan.schedule(0) and 5 not in plan.schedule(0)
     assert plan.cluster_sizes.tolist() == [3, 3] and plan.summary()["num_excluded"] == 2
+
+
+@given(world=st.integers(1, 5), micro=st.integers(1, 4), accumulation=st.integers(1, 3),
+       clusters=st.integers(1, 6), ratio=st.floats(0.3, 1.0), seed=st.integers(0, 3), epoch=st.integers(0, 2),
+       per_rank=st.booleans())
+@settings(max_examples=150, deadline=None)
+def test_each_rank_builds_exactly_its_part_of_the_schedule(world, micro, accumulation, clusters, ratio, seed, epoch,
+                                                          per_rank):
+    """rank_schedule(e, r) (built alone, O(N / W)) is the whole schedule's slice for rank r."""
+    num_clusters = world if per_rank else clusters
+    labels = np.random.default_rng(seed).integers(0, num_clusters, 400)
+    labels[:num_clusters] = np.arange(num_clusters)  # no cluster empty
+    block = ({"preset": "paper", "budget_ratio": ratio, "num_clusters": num_clusters} if per_rank else
+             {"num_clusters": num_clusters, "budget_mode": "proportional", "budget_ratio": ratio,
+              "selection": "random", "allocation": "stratified"})
+    try:
+        plan = build_plan(None, ClusterSamplingConfig(enabled=True, seed=seed, **{**block, "selection": "random"}),
+                          world_size=world, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
+                          labels=labels)
+    except ValueError:
+        return  # too little data for one step: refused (tested elsewhere)
+    whole = plan.schedule(epoch)
+    for rank in range(world):
+        assert np.array_equal(plan.rank_schedule(epoch, rank), whole[:, rank])

@@ -62,8 +62,8 @@ def build_plan_from_args(args: argparse.Namespace) -> tuple["Plan", "PlanInputs"
                                     gradient_accumulation_steps=args.gradient_accumulation_steps, flags=BATCH_FLAGS)
     analysis = AnalysisDir(args.analysis)
     inputs = analysis.load_inputs(analysis.num_samples())
-    plan = build_plan(inputs.features, settings, world_size=shape.world_size,
+    plan = build_plan(config=settings, world_size=shape.world_size,
                       micro_batch_size=shape.micro_batch_size,
                       gradient_accumulation_steps=shape.gradient_accumulation_steps,
-                      labels=inputs.labels, exclude=inputs.exclude)
+                      **inputs.plan_arguments())
     return plan, inputs

@@ -55,10 +55,10 @@ def agreed_plan(config: ClusterSamplingConfig, training_data: Any, shape: BatchS
     plan = None
     try:
         inputs = inputs if inputs is not None else read_plan_inputs(config, training_data)
-        plan = build_plan(inputs.features, config, world_size=shape.world_size,
+        plan = build_plan(config=config, world_size=shape.world_size,
                           micro_batch_size=shape.micro_batch_size,
                           gradient_accumulation_steps=shape.gradient_accumulation_steps,
-                          labels=inputs.labels, exclude=inputs.exclude)
+                          **inputs.plan_arguments())
     except (ValueError, FileNotFoundError) as err:
         error = err
     distributed.agree_on_error(error, "building the cluster plan")
