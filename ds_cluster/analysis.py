@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from ds_cluster.analysis_dir import AnalysisDir
-from ds_cluster.clustering import category_counts, cluster_features, purity
+from ds_cluster.clustering import ClusterResult, category_counts, cluster_features, purity
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.dataset import dataset_fingerprint
 from ds_cluster.distributed import agree_on_error, get_rank, get_world_size
@@ -69,9 +69,11 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
     store_path = Path(store_dir) if store_dir is not None else folder.store_path()
     extraction = run_extraction(engine, dataset, kind=kind, dim=dim, batch_size=batch_size, store=store_path,
                                 seed=settings.seed, normalize=settings.normalize_features,
-                                show_progress=show_progress, shard_size=shard_size, overwrite=recompute)
+                                show_progress=show_progress, shard_size=shard_size, overwrite=recompute,
+                                sharded=settings.sharded_clustering)
     extracted = time.perf_counter()
     gc.collect()
+    clusters = _sharded_clusters(extraction, settings, world_size) if settings.sharded_clustering else None
     error: Optional[BaseException] = None
     if rank == 0:
         try:
@@ -79,7 +81,7 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
             stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
             _cluster_and_write(folder, extraction, dataset, settings, world_size, store_path,
                                timings={"extract": extracted - started}, started=started,
-                               provenance={"zero_stage": stage, **(provenance or {})})
+                               provenance={"zero_stage": stage, **(provenance or {})}, clusters=clusters)
         except (ValueError, OSError, RuntimeError) as err:
             error = err
     # Also the barrier: rank 0 has finished writing the folder when this gather completes.
@@ -89,19 +91,41 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
     return summary
 
 
+def _sharded_clusters(extraction: ExtractionResult, settings: ClusterSamplingConfig, world_size: int
+                      ) -> ClusterResult:
+    """k-means over every rank's own rows together (collective); the result for the samples with response tokens."""
+    from ds_cluster.clustering_sharded import Collectives, cluster_sharded
+    from ds_cluster.distributed import all_gather_object, sum_over_ranks
+
+    has_response = ~np.asarray(extraction.empty_mask, dtype=bool)
+    assert extraction.rows is not None
+    keep = has_response[extraction.rows]
+    result = cluster_sharded(extraction.rows[keep], extraction.features[keep],
+                             num_samples=int(extraction.empty_mask.size),
+                             num_clusters=settings.resolved_num_clusters(world_size), seed=settings.seed,
+                             collectives=Collectives(sum=sum_over_ranks, gather=all_gather_object),
+                             n_init=settings.kmeans_n_init, max_iter=settings.kmeans_max_iter,
+                             capacity_factor=settings.capacity_factor, capacity_neighbors=settings.capacity_neighbors)
+    # all_rows are exactly the samples with response tokens, ascending: the order rank 0 writes them in.
+    return ClusterResult(result.all_labels, result.centroids, result.all_distances)
+
+
 def _cluster_and_write(folder: AnalysisDir, extraction: ExtractionResult, dataset: Sequence[Any],
                        settings: ClusterSamplingConfig, world_size: int, store_path: Path,
-                       timings: dict[str, float], started: float, provenance: Mapping[str, Any]) -> None:
-    """Rank 0's part: k-means over the samples with response tokens, then the folder."""
+                       timings: dict[str, float], started: float, provenance: Mapping[str, Any],
+                       clusters: Optional[ClusterResult] = None) -> None:
+    """Rank 0's part: k-means over the samples with response tokens (unless the ranks did it together),
+    then the folder."""
     clustering_started = time.perf_counter()
     num_clusters = settings.resolved_num_clusters(world_size)
     # Samples without response tokens have no gradient: they stay out of k-means (label -1).
     has_response = ~np.asarray(extraction.empty_mask, dtype=bool)
-    clusters = cluster_features(extraction.features[has_response], num_clusters=num_clusters,
-                                n_init=settings.kmeans_n_init, max_iter=settings.kmeans_max_iter,
-                                capacity_factor=settings.capacity_factor,
-                                capacity_neighbors=settings.capacity_neighbors, backend=settings.backend,
-                                seed=settings.seed)
+    if clusters is None:
+        clusters = cluster_features(extraction.features[has_response], num_clusters=num_clusters,
+                                    n_init=settings.kmeans_n_init, max_iter=settings.kmeans_max_iter,
+                                    capacity_factor=settings.capacity_factor,
+                                    capacity_neighbors=settings.capacity_neighbors, backend=settings.backend,
+                                    seed=settings.seed)
     num_samples = len(dataset)
     labels = np.full(num_samples, -1, dtype=np.int64)
     labels[has_response] = clusters.labels
@@ -133,8 +157,9 @@ def _cluster_and_write(folder: AnalysisDir, extraction: ExtractionResult, datase
         "world_size": world_size, "cluster_sampling": settings.model_dump(),
     }
     summary["timings_s"]["total"] = round(time.perf_counter() - started, 3)
+    arrays = {} if extraction.rows is not None else {"features.npy": extraction.features.astype(np.float32, copy=False)}
     folder.write({
-        "features.npy": extraction.features.astype(np.float32, copy=False),
+        **arrays,
         "labels.npy": labels,
         "centroids.npy": np.asarray(clusters.centroids, dtype=np.float32),
         "distances.npy": distances,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 import numpy as np
 
@@ -148,7 +148,8 @@ def nearest_centroids(
 
 
 def capped_assignment(
-    points: np.ndarray, centroids: np.ndarray, nearest: np.ndarray, nearest_dist2: np.ndarray, capacity: int
+    points: Optional[np.ndarray], centroids: np.ndarray, nearest: np.ndarray, nearest_dist2: np.ndarray, capacity: int,
+    all_centres: Optional[Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = None,
 ) -> np.ndarray:
     """The paper's greedy reassignment under a capacity.
 
@@ -159,9 +160,11 @@ def capped_assignment(
     full; the centre whose capacity-th closest proposal is nearest fills first
     and keeps those, the rest move on to their next candidate; repeat (at most
     K events). Points whose candidates are all full go to the nearest centre
-    with room among all centres, so no cluster ends above `capacity`.
+    with room among all centres, so no cluster ends above `capacity`; their
+    distances to every centre come from `all_centres(point indices)` when the
+    points are not at hand (sharded clustering), else from `points`.
     """
-    num_samples, num_clusters = points.shape[0], centroids.shape[0]
+    num_samples, num_clusters = nearest.shape[0], centroids.shape[0]
     if capacity * num_clusters < num_samples:
         raise ValueError(f"capacity {capacity} x {num_clusters} clusters cannot hold {num_samples} samples")
     num_candidates = nearest.shape[1]
@@ -198,7 +201,8 @@ def capped_assignment(
     unplaced = np.flatnonzero(labels < 0)
     if unplaced.size:
         room = capacity - np.bincount(labels[labels >= 0], minlength=num_clusters)
-        all_nearest, all_dist2 = nearest_centroids(points[unplaced], centroids, num_clusters)
+        all_nearest, all_dist2 = (all_centres(unplaced) if all_centres is not None
+                                  else nearest_centroids(points[unplaced], centroids, num_clusters))
         for flat in np.lexsort((np.arange(all_dist2.size), all_dist2.ravel())).tolist():
             point, centre_id = flat // num_clusters, int(all_nearest.ravel()[flat])
             if labels[unplaced[point]] < 0 and room[centre_id] > 0:

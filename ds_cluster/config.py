@@ -58,6 +58,7 @@ class ClusterSamplingConfig(BaseModel):
     kmeans_n_init: int = Field(10, ge=1)
     kmeans_max_iter: int = Field(300, ge=1)
     backend: Literal["sklearn", "faiss"] = "sklearn"
+    sharded_clustering: bool = False
     allocation: Literal["stratified", "cluster_per_rank"] = "stratified"
     weighting: Literal["cluster", "none"] = "cluster"
     loss_reduction: Literal["sample", "token"] = "sample"

@@ -161,12 +161,13 @@ def all_gather_object(value: Any) -> list[Any]:
 
 
 def sum_over_ranks(values: Any, group: Any = None) -> Any:
-    """Element-wise sum of an int64 array over the ranks of `group` (all ranks by default); collective."""
+    """Element-wise sum of an int64 or float64 array over the ranks of `group` (all ranks by default); collective."""
     import numpy as np
     import torch
     import torch.distributed as dist
 
-    array = np.asarray(values, dtype=np.int64)
+    array = np.asarray(values)
+    array = array.astype(np.float64 if np.issubdtype(array.dtype, np.floating) else np.int64, copy=False)
     if not is_initialized() or dist.get_world_size(group=group) == 1:
         return array
     tensor = torch.from_numpy(array.copy())

@@ -139,3 +139,33 @@ def test_analyze_cli_under_mpirun_zero2_lm_head(inputs, tmp_path):
     summary = _check_analysis(out, inputs["families"], "lm_head", 512)
     assert summary["zero_stage"] == 2
 
+
+
+@pytest.mark.integration
+def test_sharded_clustering_on_two_ranks_equals_one_process(inputs, tmp_path):
+    """With sharded_clustering each rank clusters its own feature rows (the Lloyd sums are all-reduced): two
+    ranks give the one-process centroids (to 1e-5), the same labels and the same plan."""
+    from ds_cluster import ClusterSamplingConfig, build_plan
+    from tests.launching import run_single
+
+    config = json.loads(inputs["config"](2).read_text())
+    block = config["data_efficiency"]["data_sampling"]["cluster_sampling"]
+    block.update(sharded_clustering=True, num_clusters=3, capacity_factor=1.05)  # a cap that binds
+    path = tmp_path / "sharded.json"
+    path.write_text(json.dumps(config))
+
+    def args(out: Path) -> list[str]:
+        return [*ANALYZE, "--deepspeed", str(path), "--model", inputs["model"], "--data", str(inputs["data"]),
+                "--out", str(out), "--shard-size", "16", "--no-progress"]
+
+    check(run_deepspeed(args(tmp_path / "two"), timeout=240))
+    check(run_single(args(tmp_path / "one"), timeout=240))
+    two, one = tmp_path / "two", tmp_path / "one"
+    assert not (two / "features.npy").exists()  # the N x d matrix never came together
+    np.testing.assert_allclose(np.load(two / "centroids.npy"), np.load(one / "centroids.npy"), rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(np.load(two / "labels.npy"), np.load(one / "labels.npy"))
+    assert max(np.bincount(np.load(two / "labels.npy"))) <= int(np.ceil(1.05 * NUM_RECORDS / 3))
+    settings = ClusterSamplingConfig.from_dict({**block, "budget_ratio": 0.5, "allocation": "stratified"})
+    plans = [build_plan(config=settings, world_size=2, micro_batch_size=2, gradient_accumulation_steps=1,
+                        **AnalysisDir(folder).load_inputs(NUM_RECORDS).plan_arguments()) for folder in (two, one)]
+    assert plans[0].fingerprint() == plans[1].fingerprint()

@@ -40,14 +40,15 @@ DEFAULT_LM_HEAD_DIM = 1024
 class ExtractionResult:
     """What extract_features computed, plus what a report needs."""
 
-    features: np.ndarray  # (N, d) float32, identical on every rank
-    empty_mask: np.ndarray  # (N,) bool: samples without response tokens (zero rows)
+    features: np.ndarray  # (N, d) float32, identical on every rank; this rank's rows only when `rows` is set
+    empty_mask: np.ndarray  # (N,) bool: samples without response tokens (zero rows), every sample
     kind: str
     dim: int
     computed_shards: list[int] = field(default_factory=list)  # computed by this call, all ranks
     reused_shards: list[int] = field(default_factory=list)  # read back from the store
     seconds: float = 0.0
     manifest: Optional[StoreManifest] = None
+    rows: Optional[np.ndarray] = None  # sharded results: the global indices of `features`' rows
 
     @property
     def num_empty(self) -> int:
@@ -165,14 +166,15 @@ def _prepare_store(store: FeatureStore, manifest: StoreManifest, overwrite: bool
 def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, dim: Optional[int] = None,
                    batch_size: int = 8, store: Union[None, str, Path, FeatureStore] = None, seed: int = 0,
                    normalize: bool = True, show_progress: bool = True, shard_size: int = DEFAULT_SHARD_SIZE,
-                   overwrite: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                   overwrite: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, sharded: bool = False,
                    on_shard_done: Optional[Callable[[int], None]] = None) -> ExtractionResult:
     """extract_features with everything it found out: empty mask, shards computed and reused, timing.
 
     Collective: call on every rank with the same arguments. `chunk_size`
     response positions share one softmax over the vocabulary (the bound on
     extra memory). `on_shard_done(shard)` is called after each shard this
-    rank finished (tests use it to crash mid-run).
+    rank finished (tests use it to crash mid-run). `sharded`: every rank keeps
+    only its own store shards (shard s on rank s mod W), never all N x d.
     """
     if kind not in ("proxy", "lm_head"):
         raise ValueError(f"unknown feature kind {kind!r}; use 'proxy' (the paper's feature) or 'lm_head' (the "
@@ -181,6 +183,8 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, d
         raise ValueError(f"batch_size and shard_size must be >= 1, got {batch_size} and {shard_size}")
     if len(dataset) == 0:
         raise ValueError("the dataset is empty: nothing to extract features from")
+    if sharded and store is None:
+        raise ValueError("sharded extraction keeps the rows in a feature store: pass store")
     started = time.perf_counter()
     model = unwrap_model(engine)
     layer = find_output_layer(model)
@@ -202,7 +206,12 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, d
 
     computed = _compute_shards(model, layer, dataset, manifest, pending, batch_size, rows_of, feature_store,
                                show_progress, on_shard_done)
-    features, empty_mask = _assemble(manifest, feature_store, computed)
+    rows = None
+    if sharded:
+        all_gather_object(None)  # every rank has written its shards
+        features, rows, empty_mask = _own_shards(manifest, feature_store)
+    else:
+        features, empty_mask = _assemble(manifest, feature_store, computed)
     if empty_mask.any():
         logger.warning("%d of %d samples have no response tokens (all labels -100): their feature rows are zero",
                        int(empty_mask.sum()), len(dataset))
@@ -211,7 +220,21 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, d
                             computed_shards=computed_shards,
                             reused_shards=sorted(set(range(manifest.num_shards)) - set(pending)),
                             seconds=time.perf_counter() - started,
-                            manifest=manifest if feature_store is not None else None)
+                            manifest=manifest if feature_store is not None else None, rows=rows)
+
+
+def _own_shards(manifest: StoreManifest, store: FeatureStore) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This rank's shards (s mod W = rank) read back from the store, their global rows, and the whole empty mask."""
+    rank, world_size = get_rank(), get_world_size()
+    mine = list(range(rank, manifest.num_shards, world_size))
+    parts = [store.read_shard(manifest, shard) for shard in mine]
+    features = (np.concatenate([rows for rows, _ in parts]) if parts
+                else np.zeros((0, manifest.dim), dtype=np.float32))
+    rows = np.concatenate([np.arange(*manifest.shard_bounds(s)) for s in mine]) if mine else np.zeros(0, np.int64)
+    empty = [index for part in all_gather_object([m.empty for _, m in parts]) for markers in part for index in markers]
+    empty_mask = np.zeros(manifest.num_samples, dtype=bool)
+    empty_mask[np.asarray(empty, dtype=np.int64)] = True
+    return features, rows.astype(np.int64), empty_mask
 
 
 def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Sequence[dict],
