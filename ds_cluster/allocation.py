@@ -194,8 +194,11 @@ def cluster_members(selected: np.ndarray, selected_labels: np.ndarray, num_clust
     """The kept indices of each cluster, in index order."""
     selected = np.asarray(selected, dtype=np.int64)
     order = stable_label_order(selected_labels)
-    bounds = np.searchsorted(np.asarray(selected_labels)[order], np.arange(num_clusters + 1))
-    return [selected[order[bounds[c]:bounds[c + 1]]] for c in range(num_clusters)]
+    counts = np.bincount(np.asarray(selected_labels), minlength=num_clusters)
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    # When every sample is kept, selected is 0..N-1 and `order` already holds the indices.
+    indices = order if selected.size and selected[-1] == selected.size - 1 and selected[0] == 0 else selected[order]
+    return [indices[bounds[c]:bounds[c + 1]] for c in range(num_clusters)]
 
 
 def shuffled_members(members: list[np.ndarray], seed: int, epoch: int) -> list[np.ndarray]:

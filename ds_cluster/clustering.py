@@ -92,11 +92,11 @@ def cluster_features(
 def cluster_from_labels(features: Optional[np.ndarray], labels: np.ndarray, num_clusters: int,
                         chunk: int = 65536) -> ClusterResult:
     """Centroids as member means and distances to them; features may be None (no geometry)."""
-    from scipy import sparse
-
     labels = np.asarray(labels, dtype=np.int64)
     if features is None:
         return ClusterResult(labels, np.zeros((num_clusters, 0), np.float32), np.zeros(labels.shape[0]))
+    from scipy import sparse
+
     points = np.asarray(features)
     # Member sums as one sparse (K x N) @ (N x d) product: np.add.at is far slower at N = 1M.
     membership = sparse.csr_matrix(

@@ -342,6 +342,8 @@ def _check_inputs(features: Optional[np.ndarray], labels: Optional[np.ndarray],
 def _compact_labels(labels: np.ndarray) -> tuple[np.ndarray, int]:
     """Labels renumbered 0..K-1 in order of their values (an O(N) bincount, not a sort)."""
     present = np.bincount(labels) > 0
+    if present.all():
+        return labels.astype(np.int64, copy=False), int(present.size)  # already 0..K-1: no copy of N labels
     new_id = np.cumsum(present) - 1
     return new_id[labels].astype(np.int64), int(present.sum())
 
@@ -355,6 +357,8 @@ def _row_norms(points: np.ndarray, chunk: int = 65536) -> np.ndarray:
 
 
 def _spread_to_all(clusters: ClusterResult, kept_rows: np.ndarray, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    if kept_rows.size == num_samples:
+        return clusters.labels, clusters.distances  # every sample takes part: nothing to spread
     labels = np.full(num_samples, -1, dtype=np.int64)
     labels[kept_rows] = clusters.labels
     distances = np.zeros(num_samples, dtype=np.float64)

@@ -177,10 +177,13 @@ def select_in_clusters(
     labels = np.asarray(labels, dtype=np.int64)
     kept_sizes = np.asarray(kept_sizes, dtype=np.int64)
     rng = np.random.default_rng([seed, 0x5E1EC7])
-    valid_rows = np.flatnonzero(labels >= 0)
-    valid_labels = labels[valid_rows]
-    if np.array_equal(np.bincount(valid_labels, minlength=kept_sizes.size), kept_sizes):
-        return valid_rows.astype(np.int64)  # everything is kept: nothing to choose
+    taking_part = labels >= 0
+    everyone = bool(taking_part.all())
+    counts = np.bincount(labels if everyone else labels[taking_part], minlength=kept_sizes.size)
+    if np.array_equal(counts, kept_sizes):  # everything is kept: nothing to choose
+        return np.arange(labels.size, dtype=np.int64) if everyone else np.flatnonzero(taking_part)
+    valid_rows = np.arange(labels.size, dtype=np.int64) if everyone else np.flatnonzero(taking_part)
+    valid_labels = labels if everyone else labels[valid_rows]
     if strategy in ("peripheral", "core", "mix", "spread", "kcenter") and distances is None:
         raise ValueError(f"selection '{strategy}' needs features (distances to centroids); use 'random' without them")
     if strategy == "norm" and norms is None:
@@ -260,7 +263,9 @@ def sample_weights(
     weight over kept samples is 1. With "none", kept samples weigh 1.
     """
     labels = np.asarray(labels, dtype=np.int64)
-    weights = np.zeros(labels.size, dtype=np.float64)
+    if weighting == "none" and selected.size == labels.size:
+        return np.ones(labels.size, dtype=np.float64)
+    weights = np.zeros(labels.size, dtype=np.float64) if selected.size != labels.size else None
     if weighting == "none":
         weights[selected] = 1.0
         return weights
@@ -269,5 +274,7 @@ def sample_weights(
     sizes = np.asarray(cluster_sizes, dtype=np.float64)
     kept = np.asarray(kept_sizes, dtype=np.float64)
     per_cluster = (sizes / sizes.sum()) / (kept / kept.sum())
+    if selected.size == labels.size:  # everything kept: one gather, no scatter
+        return per_cluster[labels]
     weights[selected] = per_cluster[labels[selected]]
     return weights
