@@ -55,10 +55,10 @@ class Settings:
     results_dir: Path = REPO / "bench" / "results"
     results_name: str = "quality"
     base_model: Optional[Path] = None  # default: the toy base model
-    epochs: int = 4
-    learning_rate: float = 3e-3
+    epochs: int = 16
+    learning_rate: float = 1e-3
     warmup_fraction: float = 0.05
-    max_length: int = 64
+    max_length: int = 96
     micro_batch_size: int = 8
     seeds: tuple[int, ...] = (0, 1, 2, 3)
     fractions: tuple[float, ...] = (0.3, 0.5)
@@ -213,6 +213,7 @@ def write_spec(settings: Settings, data: dict, arms: list[dict], analyses: dict)
         "ds_config": config, "learning_rate": settings.learning_rate, "warmup_fraction": settings.warmup_fraction,
         "max_length": settings.max_length, "max_new_tokens": settings.max_new_tokens,
         "copy_probe_records": settings.copy_probe_records, "copy_probe_seed": 12345,
+        "evaluate_splits": ["validation"] if settings.candidates else ["validation", "heldout"],
         "analyses": analyses, "arms": arms, "launched_at": time.time(),
         "gate": {"full": arms[0]["name"], "random": arms[1]["name"], "small_families": small},
         "gate_after": arms[1]["name"],
@@ -255,6 +256,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--results-dir", type=Path, default=Settings.results_dir)
     parser.add_argument("--name", default="quality", help="results file name: RESULTS_DIR/NAME.{json,md,png}")
     parser.add_argument("--report-only", action="store_true", help="no training: rebuild the report")
+    parser.add_argument("--test-epochs", type=int, default=None, help=argparse.SUPPRESS)  # tests only: tiny runs
     return parser.parse_args(argv)
 
 
@@ -266,6 +268,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         settings = replace(settings, seeds=(0,), fractions=(0.3,), arms=("random", "paper", "recommended"),
                            ablations=False, heldout_per_family=40, copy_probe_records=60,
                            command=f"{settings.command} --quick")
+    if args.test_epochs is not None:
+        settings = replace(settings, epochs=args.test_epochs, fractions=(0.3,), ablations=False,
+                           arms=("random", "paper"), copy_probe_records=8)
     if args.choose:
         candidates = json.loads((REPO / "bench" / "candidates.json").read_text())
         settings = replace(settings, candidates=candidates, fractions=(0.3, 0.5), ablations=False,

@@ -93,7 +93,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict], spec: 
 
 def copy_probe(model: torch.nn.Module, tokenizer: Any, spec: dict) -> float:
     """Greedy exact match of the base model copying strings of 3 to 8 random letters (collective)."""
-    from ds_cluster.toy.tasks import copy_probe_records
+    from ds_cluster.toy.pretraining import copy_probe_records
 
     records = copy_probe_records(count=spec["copy_probe_records"], seed=spec["copy_probe_seed"])
     result = evaluate(model, tokenizer, [dict(r, family="copy") for r in records], spec, with_exact_match=True)
@@ -226,7 +226,8 @@ def main() -> int:
 
     model, tokenizer = load_model_and_tokenizer(spec["base_model"])
     train = InstructionDataset(read_jsonl(spec["train"]), tokenizer, max_length=spec["max_length"])
-    splits = {name: read_jsonl(spec[name]) for name in ("validation", "heldout")}
+    # Choosing (bench/quality.py --choose) never evaluates held-out.
+    splits = {name: read_jsonl(spec[name]) for name in spec["evaluate_splits"]}
     startup = summed({"wall": time.time() - spec["launched_at"], "cpu": time.process_time()})
     if rank == 0:
         write_json_atomic(work / "startup.json", {**startup, "process_started": PROCESS_STARTED})

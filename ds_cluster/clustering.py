@@ -163,6 +163,7 @@ def capped_assignment(
     with room among all centres, so no cluster ends above `capacity`; their
     distances to every centre come from `all_centres(point indices)` when the
     points are not at hand (sharded clustering), else from `points`.
+    Long because the event loop is one algorithm; split, its order hides.
     """
     num_samples, num_clusters = nearest.shape[0], centroids.shape[0]
     if capacity * num_clusters < num_samples:

@@ -237,7 +237,8 @@ def build_plan(
     tokens); they get label -1 and weight 0. distances (N,) and centroids
     (K, d), with labels: the clustering's own (an analysis records k-means'
     centres and each sample's distance to its centre); without them the
-    centres are the member means.
+    centres are the member means. Long because every input is checked here,
+    once, before the stages run.
     """
     shape = BatchShape(world_size, micro_batch_size, gradient_accumulation_steps)
     strategy = allocation_strategy(config.allocation)

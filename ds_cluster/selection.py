@@ -172,7 +172,8 @@ def select_in_clusters(
     and edge alike); kcenter: greedy farthest-point (k-centre) coverage of the
     cluster in feature space, starting from the sample nearest the centroid.
     Ties go to the lower index, so the choice is the same everywhere. Samples
-    with a negative label (excluded) are never chosen.
+    with a negative label (excluded) are never chosen. Long because this
+    docstring defines every strategy; the body is one dispatch.
     """
     labels = np.asarray(labels, dtype=np.int64)
     kept_sizes = np.asarray(kept_sizes, dtype=np.int64)

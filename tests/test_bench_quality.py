@@ -1,61 +1,40 @@
-"""The time-to-quality benchmark (bench/quality.py) end to end at a tiny size, so its code cannot rot.
+"""The quality benchmark end to end on a tiny mixture: one 2-rank DeepSpeed job, the gate, the report.
 
-Real 2-rank `deepspeed` launches: one `ds-cluster analyze`, then full data, a random subset and the
-CluSTER paper preset, each cut to a few optimizer steps, evaluated on two held-out records per family.
+One epoch cannot pass the calibration gate, so this also checks the rule that matters most: a run
+that misses the gate says so and stops before any method comparison.
 """
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from bench.quality_lib import (
-    ONE_CLUSTER,
-    PAPER_ANALYSIS,
-    build_run_plan,
-    prepare_analyses,
-    run_all,
-    tiny_settings,
-    write_report,
-)
-from ds_cluster.data.tasks import generate_mixture, write_jsonl
-from tests.launching import REPO
+from ds_cluster.toy.tasks import write_mixture
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.integration
-def test_benchmark_pipeline_at_a_tiny_size(tmp_path: Path):
-    train, heldout = generate_mixture(seed=0, total=200, heldout_per_family=2)
-    write_jsonl(train, tmp_path / "train.jsonl")
-    write_jsonl(heldout, tmp_path / "heldout.jsonl")
-    settings = tiny_settings(tmp_path / "bench", tmp_path / "train.jsonl", tmp_path / "heldout.jsonl",
-                             REPO / "ds_configs" / "zero2.json")
-
-    analyses = prepare_analyses(settings)
-    assert set(analyses) == {ONE_CLUSTER, PAPER_ANALYSIS}
-    assert analyses[PAPER_ANALYSIS].job_cpu_s > 0 and analyses[PAPER_ANALYSIS].purity is not None
-    runs = build_run_plan(settings, analyses)
-    assert [spec.setting for spec in runs] == ["full", "random_r0.5", "paper_r0.5"]
-    run_all(settings, analyses, runs)
-    report = write_report(settings, analyses, runs)
-
-    document = json.loads(report["json_path"].read_text())
-    assert document["runs_missing"] == []
-    by_setting = {result["spec"]["setting"]: result for result in document["runs"]}
-    full, subset, paper = by_setting["full"], by_setting["random_r0.5"], by_setting["paper_r0.5"]
-    assert full["kept_fraction"] == 1.0 and full["steps"] == settings.max_steps
-    assert subset["num_kept"] == paper["num_kept"] < full["num_kept"]  # the random subset matches the paper size
-    for result in document["runs"]:
-        assert result["train_job_cpu_s"] > 0 and result["train_loop_cpu_s"] > 0
-        assert set(result["accuracy_by_family"]) == set(result["heldout_loss"]) == {r["family"] for r in heldout}
-        assert 0.0 <= result["accuracy"]["worst"] <= result["accuracy"]["macro_avg"] <= 1.0
-        assert sum(result["kept_by_family"].values()) == result["num_kept"]
-    assert paper["total_cpu_s"] == pytest.approx(paper["selection_job_cpu_s"] + paper["train_job_cpu_s"])
-    assert full["selection_job_cpu_s"] == 0.0 and paper["selection_job_cpu_s"] > 0.0
-    markdown = report["markdown_path"].read_text()
-    assert "| full data |" in markdown and "total / full (CPU)" in markdown
-    assert any(goal["met"] is not None for goal in report["goals"])
-    assert report["plot_path"].stat().st_size > 0
-
-    # Resumable: a second call finds every run done and launches nothing.
-    run_all(settings, analyses, runs)
+def test_a_run_that_misses_the_gate_says_so_and_stops(tmp_path):
+    write_mixture(tmp_path / "data", seed=5, total=240, heldout_per_family=3)
+    command = [sys.executable, str(REPO / "bench" / "quality.py"), "--data", str(tmp_path / "data"),
+               "--work-dir", str(tmp_path / "work"), "--results-dir", str(tmp_path / "results"),
+               "--name", "tiny", "--seeds", "1", "--test-epochs", "1"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=420)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "calibration gate: FAILED" in result.stdout
+    gate = json.loads((tmp_path / "work" / "gate.json").read_text())
+    assert not gate["passed"] and set(gate["checks"]) == {
+        "copy_probe", "full_every_family", "full_plateau", "random30_loses_on_a_small_family"}
+    assert gate["checks"]["copy_probe"]["passed"]  # the shipped base model copies
+    # Only the two gate arms ran: no method was compared on an instrument that failed its gate.
+    assert sorted(p.stem for p in (tmp_path / "work" / "arms").iterdir()) == ["full_s0", "random_f0.3_s0"]
+    report = (tmp_path / "results" / "tiny.md").read_text()
+    assert "calibration gate: FAILED" in report
+    assert (tmp_path / "results" / "tiny.png").stat().st_size > 0
+    validation = json.loads((tmp_path / "work" / "data" / "validation.jsonl").read_text().splitlines()[0])
+    train = (tmp_path / "work" / "data" / "train.jsonl").read_text()
+    assert json.dumps(validation) not in train  # validation is carved out of train

@@ -14,7 +14,7 @@ from ds_cluster.dataset import (
     read_jsonl,
     write_jsonl,
 )
-from ds_cluster.toy import tasks
+from ds_cluster.toy import pretraining, tasks
 from ds_cluster.toy.evaluate import check_answer
 from ds_cluster.toy.tokenizer import build_tokenizer
 
@@ -43,13 +43,14 @@ def test_family_sizes_are_skewed_and_heldout_is_fixed_per_family(mixture):
     sizes = Counter(r["family"] for r in train)
     assert set(sizes) == set(tasks.FAMILIES) and len(tasks.FAMILIES) >= 8
     assert len(train) == tasks.DEFAULT_TOTAL
-    assert max(sizes.values()) >= 30 * min(sizes.values())
+    assert max(sizes.values()) >= 16 * min(sizes.values())
     assert min(sizes.values()) >= 40
+    assert [f for f, _ in sizes.most_common()] == list(tasks.FAMILIES)
     assert Counter(r["family"] for r in heldout) == {f: tasks.DEFAULT_HELDOUT_PER_FAMILY for f in tasks.FAMILIES}
 
 
 def test_family_sizes_add_up_exactly():
-    for total, skew in [(100, 1.0), (1001, 7.5), (3200, 32.0)]:
+    for total, skew in [(100, 1.0), (1001, 7.5), (2400, 16.0)]:
         sizes = tasks.family_sizes(total, skew)
         assert sum(sizes.values()) == total
         assert list(sizes.values()) == sorted(sizes.values(), reverse=True)
@@ -85,23 +86,20 @@ def test_gold_answers_are_correct(mixture, family):
     # Recompute each family's answer from its input a second, independent way.
     def solve(record: dict) -> str:
         text = record["input"]
-        if family == "add":
-            a, b = text.split(" + ")
-            return str(int(a) + int(b))
         if family == "reverse":
             return "".join(reversed(text))
-        if family == "case_change":
-            return text.swapcase()
-        if family == "sort_digits":
-            return "".join(sorted(text))
-        if family == "count_letter":
-            letter, word = text.split(": ")
-            return str(sum(ch == letter for ch in word))
-        if family == "lookup":
-            pairs, key = text.split("; ")
-            return dict(p.split("=") for p in pairs.split(", "))[key]
+        if family == "rotate":
+            return text[1:] + text[:1]
+        if family == "swap_case":
+            return "".join(c.lower() if c.isupper() else c.upper() for c in text)
+        if family == "double":
+            return "".join(c * 2 for c in text)
+        if family == "first_last":
+            return text[0] + text[-1]
+        if family == "dashes":
+            return "".join(c + "-" for c in text)[:-1]
         if family == "km_to_m":
-            return f"{round(float(text.split()[0]) * 1000)} m"
+            return f"{int(text.split()[0]) * 1000} m"
         year, month, day = text.split("-")
         return f"{day}/{month}/{year}"
 
@@ -111,11 +109,31 @@ def test_gold_answers_are_correct(mixture, family):
 
 
 def test_pretraining_corpus_is_deterministic_and_not_the_tasks(mixture):
-    corpus = tasks.generate_pretraining_corpus(seed=0, n=300)
-    assert corpus == tasks.generate_pretraining_corpus(seed=0, n=300)
-    assert corpus != tasks.generate_pretraining_corpus(seed=1, n=300)
+    corpus, copied = pretraining.generate_pretraining_corpus(seed=0, count=300)
+    assert (corpus, copied) == pretraining.generate_pretraining_corpus(seed=0, count=300)
+    assert corpus != pretraining.generate_pretraining_corpus(seed=1, count=300)[0]
     instructions = {r["instruction"] for r in mixture[0]}
     assert not any(instruction in text for text in corpus for instruction in instructions)
+
+
+def test_copy_probe_is_fresh_random_letters():
+    _, copied = pretraining.generate_pretraining_corpus(seed=0, count=2000)
+    probe = pretraining.copy_probe_records(count=100, seed=1000, exclude=copied)
+    assert probe == pretraining.copy_probe_records(count=100, seed=1000, exclude=copied)
+    assert len({r["input"] for r in probe}) == 100 and not {r["input"] for r in probe} & copied
+    for record in probe:
+        assert record["output"] == record["input"] and 3 <= len(record["input"]) <= 8
+        assert record["input"].isalpha() and record["input"].islower() and record["family"] == "copy"
+
+
+def test_other_orders_and_unknown_families(tmp_path):
+    second = dict(tasks.SECOND_MIXTURE)
+    train, heldout = tasks.generate_mixture(**second)
+    sizes = Counter(r["family"] for r in train)
+    assert [f for f, _ in sizes.most_common()] == list(second["families"]) and len(train) == second["total"]
+    assert not {(r["family"], r["input"]) for r in train} & {(r["family"], r["input"]) for r in heldout}
+    with pytest.raises(ValueError, match="unknown task families"):
+        tasks.generate_mixture(families=("reverse", "count_letter"))
 
 
 def test_jsonl_round_trip_is_atomic(tmp_path, mixture):

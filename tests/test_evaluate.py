@@ -69,12 +69,12 @@ def test_batched_left_padded_generation_matches_greedy_by_hand(model_and_tokeniz
 
 
 def test_exact_match_counts_correct_answers(heldout):
-    records = [r for r in heldout if r["family"] in ("add", "reverse")]
+    records = [r for r in heldout if r["family"] in ("rotate", "reverse")]
     answers = [r["output"] if i % 2 == 0 else r["output"] + "x" for i, r in enumerate(records)]
     answers[0] = f"  {records[0]['output']}\n"  # surrounding whitespace does not count
     scores = evaluate.score_answers(records, answers)
     expected = {family: sum(1 for i, r in enumerate(records) if r["family"] == family and i % 2 == 0)
-                / sum(1 for r in records if r["family"] == family) for family in ("add", "reverse")}
+                / sum(1 for r in records if r["family"] == family) for family in ("rotate", "reverse")}
     assert scores == pytest.approx(expected)
 
 

@@ -1,14 +1,16 @@
-"""A synthetic instruction-tuning mixture whose answers can be checked exactly.
+"""A synthetic instruction mixture whose answers can be checked exactly.
 
-Eight task families with strongly skewed (geometric) sizes stand in for a real
-instruction mixture such as Alpaca: a few families dominate and the smallest
-is more than 30 times smaller, which is the situation cluster-balanced
-sampling is meant for. Every record is Alpaca-style
+Eight character-transformation families with strongly skewed (geometric)
+sizes stand in for a real instruction mixture such as Alpaca: a few families
+dominate and the smallest is 16 times smaller, which is the situation
+cluster-balanced sampling is meant for. Every record is Alpaca-style
 ``{"instruction", "input", "output", "family"}``; ``family`` is metadata for
 analysis and is never part of the training text.
 
-Strings stay short because the tiny model reads characters, not words.
-Everything is derived from one seed through local generators (no global RNG).
+Letter inputs are 3 to 8 uniformly random letters (not words), so a family
+cannot be memorised: it has to be learned as an operation on top of the base
+model's copying (ds_cluster.toy.pretraining). Everything is derived from one
+seed through local generators (no global RNG).
 
 Run ``python -m ds_cluster.toy.tasks --out DIR --seed S`` to write
 ``train.jsonl`` and ``heldout.jsonl``.
@@ -18,131 +20,107 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import logging
-import os
 import random
 from pathlib import Path
-from typing import Callable, Iterable, Union
+from typing import Callable, Optional, Sequence
 
-from ds_cluster.dataset import format_prompt, write_jsonl
+from ds_cluster.dataset import write_jsonl
 
 logger = logging.getLogger(__name__)
 
-# Largest family first: sizes fall geometrically along this order.
+# Largest family first: sizes fall geometrically along this order. The three
+# that need the most data to learn (reverse, rotate, swap_case) hold the
+# largest slots; put in a small slot they are not learned at all, and the
+# benchmark could no longer tell a good subset from a bad one.
 FAMILIES: tuple[str, ...] = (
-    "add",
-    "reverse",
-    "case_change",
-    "sort_digits",
-    "count_letter",
-    "lookup",
-    "km_to_m",
-    "date_format",
+    "reverse", "rotate", "swap_case", "date_reorder", "double", "first_last", "dashes", "km_to_m",
 )
 
 # The shipped default (DEFAULT_DATA) is generate_mixture() with these.
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "default"
-DEFAULT_TOTAL = 3200
-DEFAULT_HELDOUT_PER_FAMILY = 50
-DEFAULT_SKEW = 32.0
+DEFAULT_TOTAL = 2400
+DEFAULT_HELDOUT_PER_FAMILY = 100
+DEFAULT_SKEW = 16.0
 
-_CONSONANTS = "bdfgklmnprstvz"
-_VOWELS = "aeiou"
+# The confirmation mixture: another seed, total and skew, and another order
+# (shuffled within the large and the small half). Nothing is chosen on it.
+SECOND_MIXTURE: dict = {
+    "seed": 3, "total": 2600, "skew": 24.0, "heldout_per_family": 100,
+    "families": ("rotate", "swap_case", "reverse", "first_last", "km_to_m", "double", "date_reorder", "dashes"),
+}
 
-# Two wordings per family, so that a family is not a single constant string.
-_INSTRUCTIONS: dict[str, tuple[str, ...]] = {
-    "add": ("Add the two numbers.", "What is the sum?"),
-    "reverse": ("Reverse the word.", "Write the word backwards."),
-    "case_change": ("Write the word in upper case.", "Write the word in lower case."),
-    "sort_digits": ("Sort the digits in ascending order.", "Put the digits in increasing order."),
-    "count_letter": ("Count the letter in the word.", "How many times does the letter occur?"),
-    "lookup": ("Give the value of the key.", "Look up the key."),
-    "km_to_m": ("Convert kilometres to metres.", "How many metres is this?"),
-    "date_format": ("Rewrite the date as DD/MM/YYYY.", "Write the date day first."),
+LOWER = "abcdefghijklmnopqrstuvwxyz"
+
+# Two short wordings per family: the prompt is most of every sequence.
+INSTRUCTIONS: dict[str, tuple[str, str]] = {
+    "reverse": ("Reverse the letters.", "Write it backwards."),
+    "rotate": ("Move the first letter to the end.", "Rotate left by one."),
+    "swap_case": ("Swap the case.", "Invert the case of each letter."),
+    "date_reorder": ("Rewrite as DD/MM/YYYY.", "Write the date day first."),
+    "double": ("Double each letter.", "Write each letter twice."),
+    "first_last": ("Give the first and last letter.", "First and last letter."),
+    "dashes": ("Put dashes between letters.", "Join the letters with dashes."),
+    "km_to_m": ("Convert km to m.", "How many metres is this?"),
 }
 
 Record = dict[str, str]
-PathLike = Union[str, os.PathLike]
 
 
-def _pseudo_word(rng: random.Random, min_syllables: int = 2, max_syllables: int = 3) -> str:
-    """A pronounceable lower-case non-word such as 'tomaki' (a large, cheap space of words)."""
-    syllables = rng.randint(min_syllables, max_syllables)
-    return "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(syllables))
+def letters(rng: random.Random, low: int = 3, high: int = 8, alphabet: str = LOWER) -> str:
+    """``low`` to ``high`` letters drawn uniformly from ``alphabet``."""
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(low, high)))
 
 
-def _random_date(rng: random.Random) -> dt.date:
-    return dt.date(1950, 1, 1) + dt.timedelta(days=rng.randrange(100 * 365))
+def _reverse(rng: random.Random) -> tuple[str, str]:
+    text = letters(rng)
+    return text, text[::-1]
 
 
-def _format_km(tenths: int) -> str:
-    """Kilometres given in tenths, written as '25' or '2.5' (no trailing '.0')."""
-    whole, frac = divmod(tenths, 10)
-    return f"{whole}.{frac}" if frac else str(whole)
+def _rotate(rng: random.Random) -> tuple[str, str]:
+    while True:  # the answer must differ from the input
+        text = letters(rng)
+        if text[1:] + text[0] != text:
+            return text, text[1:] + text[0]
 
 
-# Each maker returns (instruction index, input, output); the instruction
-# index matters for case_change, whose direction the wording states.
-def _make_add(rng: random.Random) -> tuple[int, str, str]:
-    a, b = rng.randrange(1000), rng.randrange(1000)
-    return rng.randrange(2), f"{a} + {b}", str(a + b)
+def _swap_case(rng: random.Random) -> tuple[str, str]:
+    text = letters(rng, alphabet=LOWER + LOWER.upper())
+    return text, text.swapcase()
 
 
-def _make_reverse(rng: random.Random) -> tuple[int, str, str]:
-    word = _pseudo_word(rng)
-    return rng.randrange(2), word, word[::-1]
+def _date_reorder(rng: random.Random) -> tuple[str, str]:
+    date = dt.date(1950, 1, 1) + dt.timedelta(days=rng.randrange(100 * 365))
+    return date.isoformat(), date.strftime("%d/%m/%Y")
 
 
-def _make_case_change(rng: random.Random) -> tuple[int, str, str]:
-    word = _pseudo_word(rng)
-    if rng.randrange(2) == 0:
-        return 0, word, word.upper()
-    return 1, word.upper(), word
+def _double(rng: random.Random) -> tuple[str, str]:
+    text = letters(rng)
+    return text, "".join(c + c for c in text)
 
 
-def _make_sort_digits(rng: random.Random) -> tuple[int, str, str]:
-    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(4, 7)))
-    return rng.randrange(2), digits, "".join(sorted(digits))
+def _first_last(rng: random.Random) -> tuple[str, str]:
+    text = letters(rng)
+    return text, text[0] + text[-1]
 
 
-def _make_count_letter(rng: random.Random) -> tuple[int, str, str]:
-    word = _pseudo_word(rng, 2, 4)
-    # Mostly a letter of the word, sometimes one it lacks, so 0 is a possible answer.
-    letter = rng.choice(word) if rng.random() < 0.8 else rng.choice(_CONSONANTS + _VOWELS)
-    return rng.randrange(2), f"{letter}: {word}", str(word.count(letter))
+def _dashes(rng: random.Random) -> tuple[str, str]:
+    text = letters(rng)
+    return text, "-".join(text)
 
 
-def _make_lookup(rng: random.Random) -> tuple[int, str, str]:
-    keys = rng.sample("abcdefghijklmnopqrstuvwxyz", rng.randint(3, 4))
-    values = [str(rng.randrange(100)) for _ in keys]
-    pairs = ", ".join(f"{k}={v}" for k, v in zip(keys, values))
-    index = rng.randrange(len(keys))
-    return rng.randrange(2), f"{pairs}; {keys[index]}", values[index]
+def _km_to_m(rng: random.Random) -> tuple[str, str]:
+    km = rng.randint(1, 999)
+    return f"{km} km", f"{km * 1000} m"
 
 
-def _make_km_to_m(rng: random.Random) -> tuple[int, str, str]:
-    tenths = rng.randint(1, 9999)
-    return rng.randrange(2), f"{_format_km(tenths)} km", f"{tenths * 100} m"
-
-
-def _make_date_format(rng: random.Random) -> tuple[int, str, str]:
-    date = _random_date(rng)
-    return rng.randrange(2), date.isoformat(), date.strftime("%d/%m/%Y")
-
-
-_MAKERS: dict[str, Callable[[random.Random], tuple[int, str, str]]] = {
-    "add": _make_add,
-    "reverse": _make_reverse,
-    "case_change": _make_case_change,
-    "sort_digits": _make_sort_digits,
-    "count_letter": _make_count_letter,
-    "lookup": _make_lookup,
-    "km_to_m": _make_km_to_m,
-    "date_format": _make_date_format,
+MAKERS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
+    "reverse": _reverse, "rotate": _rotate, "swap_case": _swap_case, "date_reorder": _date_reorder,
+    "double": _double, "first_last": _first_last, "dashes": _dashes, "km_to_m": _km_to_m,
 }
 
 
-def family_sizes(total: int, skew: float, families: Iterable[str] = FAMILIES) -> dict[str, int]:
-    """Geometric training sizes summing to ``total``; largest / smallest is about ``skew``.
+def family_sizes(total: int, skew: float, families: Sequence[str] = FAMILIES) -> dict[str, int]:
+    """Geometric training sizes summing to ``total``; first largest, largest / smallest about ``skew``.
 
     Rounding is by largest remainder so the sizes add up exactly.
     """
@@ -154,27 +132,27 @@ def family_sizes(total: int, skew: float, families: Iterable[str] = FAMILIES) ->
     steps = max(len(names) - 1, 1)
     weights = [skew ** ((steps - i) / steps) for i in range(len(names))]
     exact = [total * w / sum(weights) for w in weights]
-    sizes = [max(int(x), 1) for x in exact]
-    by_remainder = sorted(range(len(names)), key=lambda i: exact[i] - int(exact[i]), reverse=True)
+    sizes = [int(x) for x in exact]
+    by_remainder = sorted(range(len(names)), key=lambda i: exact[i] - sizes[i], reverse=True)
     for i in by_remainder[: total - sum(sizes)]:
         sizes[i] += 1
     return dict(zip(names, sizes))
 
 
-def _unique_records(family: str, count: int, rng: random.Random) -> list[Record]:
-    """``count`` records of one family, no two with the same (instruction, input)."""
-    seen: set[tuple[str, str]] = set()
+def _family_records(family: str, count: int, rng: random.Random) -> list[Record]:
+    """``count`` records of one family, no two with the same input."""
+    seen: set[str] = set()
     records: list[Record] = []
     attempts = 0
     while len(records) < count:
         attempts += 1
         if attempts > 50 * count + 1000:
             raise RuntimeError(f"family {family!r} cannot produce {count} distinct records")
-        wording, task_input, output = _MAKERS[family](rng)
-        instruction = _INSTRUCTIONS[family][wording]
-        if (instruction, task_input) in seen:
+        task_input, output = MAKERS[family](rng)
+        if task_input in seen:
             continue
-        seen.add((instruction, task_input))
+        seen.add(task_input)
+        instruction = INSTRUCTIONS[family][rng.randrange(2)]
         records.append({"instruction": instruction, "input": task_input, "output": output, "family": family})
     return records
 
@@ -184,85 +162,57 @@ def generate_mixture(
     total: int = DEFAULT_TOTAL,
     heldout_per_family: int = DEFAULT_HELDOUT_PER_FAMILY,
     skew: float = DEFAULT_SKEW,
+    families: Sequence[str] = FAMILIES,
 ) -> tuple[list[Record], list[Record]]:
     """The skewed training mixture and a held-out split of ``heldout_per_family`` per family.
 
-    Held-out records never share an (instruction, input) with a training
-    record. The training list is shuffled (families interleaved); the held-out
-    list is grouped by family. Same arguments, same records.
+    Sizes fall geometrically along ``families``. Held-out records never share
+    an input with a training record of their family. The training list is
+    shuffled (families interleaved); the held-out list is grouped by family.
+    Same arguments, same records.
     """
-    sizes = family_sizes(total, skew)
+    unknown = sorted(set(families) - set(MAKERS))
+    if unknown:
+        raise ValueError(f"unknown task families {unknown}; known: {sorted(MAKERS)}")
+    sizes = family_sizes(total, skew, families)
     train: list[Record] = []
     heldout: list[Record] = []
-    for index, family in enumerate(FAMILIES):
+    for family in families:
         # One generator per family: a family's records do not depend on the others' sizes.
-        rng = random.Random(f"ds_cluster.tasks:{seed}:{index}:{family}")
-        records = _unique_records(family, sizes[family] + heldout_per_family, rng)
+        rng = random.Random(f"base.tasks:{seed}:{family}")
+        records = _family_records(family, sizes[family] + heldout_per_family, rng)
         heldout.extend(records[:heldout_per_family])
         train.extend(records[heldout_per_family:])
-    random.Random(f"ds_cluster.tasks.shuffle:{seed}").shuffle(train)
+    random.Random(f"base.tasks.shuffle:{seed}").shuffle(train)
     return train, heldout
 
 
-def generate_pretraining_corpus(seed: int, n: int) -> list[str]:
-    """``n`` generic texts over the same characters and formats, but none of the fine-tune tasks.
-
-    The tiny base model learns the prompt template, the end of a response,
-    words, numbers, dates, ``k=v`` lists and measurements from these, by
-    copying and free text, so fine-tuning has something to build on without
-    having seen the tasks it is evaluated on.
-    """
-    rng = random.Random(f"ds_cluster.pretrain:{seed}")
-
-    def snippet() -> str:
-        kind = rng.randrange(5)
-        if kind == 0:
-            return " ".join(_pseudo_word(rng, 1, 3) for _ in range(rng.randint(1, 4)))
-        if kind == 1:
-            return " ".join(str(rng.randrange(10 ** rng.randint(1, 4))) for _ in range(rng.randint(1, 3)))
-        if kind == 2:
-            return _random_date(rng).isoformat() if rng.random() < 0.5 else _random_date(rng).strftime("%d/%m/%Y")
-        if kind == 3:
-            keys = rng.sample("abcdefghijklmnopqrstuvwxyz", rng.randint(2, 4))
-            return ", ".join(f"{k}={rng.randrange(100)}" for k in keys)
-        unit = rng.choice(("km", "m"))
-        return f"{_format_km(rng.randint(1, 9999))} {unit}"
-
-    # Copy-style instructions: they teach the template and where a response ends.
-    copy_instructions = ("Repeat the text.", "Copy the input.", "Say it again.", "Echo this.")
-    texts: list[str] = []
-    for _ in range(n):
-        # Mostly copying: it is the skill every fine-tune task builds on, and the slowest to appear.
-        style = rng.choices((0, 1, 2), weights=(6, 2, 2))[0]
-        if style == 0:
-            text = snippet()
-            record = {"instruction": rng.choice(copy_instructions), "input": text, "output": text}
-            texts.append(format_prompt(record) + text)
-        elif style == 1:
-            word = _pseudo_word(rng)
-            record = {"instruction": f"Say {word}.", "input": "", "output": word}
-            texts.append(format_prompt(record) + word)
-        else:
-            texts.append(". ".join(snippet() for _ in range(rng.randint(1, 3))) + ".")
-    return texts
+def write_mixture(out: Path, **arguments) -> dict[str, int]:
+    """generate_mixture(**arguments) written as ``out/train.jsonl`` and ``out/heldout.jsonl``; train sizes."""
+    train, heldout = generate_mixture(**arguments)
+    write_jsonl(train, Path(out) / "train.jsonl")
+    write_jsonl(heldout, Path(out) / "heldout.jsonl")
+    families = arguments.get("families", FAMILIES)
+    return {family: sum(r["family"] == family for r in train) for family in families}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description="Write the synthetic instruction mixture as JSONL.")
     parser.add_argument("--out", required=True, help="folder for train.jsonl and heldout.jsonl")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--total", type=int, default=DEFAULT_TOTAL, help="training records in all")
     parser.add_argument("--heldout-per-family", type=int, default=DEFAULT_HELDOUT_PER_FAMILY)
     parser.add_argument("--skew", type=float, default=DEFAULT_SKEW, help="largest / smallest family size")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated, largest first")
+    parser.add_argument("--second-mixture", action="store_true", help="the confirmation mixture (SECOND_MIXTURE)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-
-    train, heldout = generate_mixture(args.seed, args.total, args.heldout_per_family, args.skew)
-    out = Path(args.out)
-    write_jsonl(train, out / "train.jsonl")
-    write_jsonl(heldout, out / "heldout.jsonl")
-    sizes = {family: sum(r["family"] == family for r in train) for family in FAMILIES}
-    logger.info("wrote %d train and %d held-out records to %s; train sizes %s", len(train), len(heldout), out, sizes)
+    arguments = dict(seed=args.seed, total=args.total, heldout_per_family=args.heldout_per_family, skew=args.skew,
+                     families=tuple(args.families.split(",")))
+    if args.second_mixture:
+        arguments = dict(SECOND_MIXTURE)
+    sizes = write_mixture(Path(args.out), **arguments)
+    logger.info("wrote %s to %s; train sizes %s", arguments, args.out, sizes)
 
 
 if __name__ == "__main__":
