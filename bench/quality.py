@@ -57,6 +57,7 @@ class Settings:
     base_model: Optional[Path] = None  # default: the toy base model
     epochs: int = 16
     learning_rate: float = 1e-3
+    adam_eps: float = 1e-6  # 1e-8 failed the plateau check on validation (bench/README.md)
     warmup_fraction: float = 0.05
     max_length: int = 96
     micro_batch_size: int = 8
@@ -68,6 +69,7 @@ class Settings:
     recommended: dict = field(default_factory=lambda: {"preset": "recommended"})
     candidates: dict = field(default_factory=dict)  # --choose: name -> cluster_sampling block
     ablations: bool = True
+    gate_only: bool = False
     heldout_per_family: Optional[int] = None
     max_new_tokens: int = 16
     copy_probe_records: int = 200
@@ -167,9 +169,11 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
     first = settings.seeds[0]
     gate_random = subset("random", first, 0.3)
     arms += [full(first, per_epoch=True), gate_random]
+    if settings.gate_only:
+        return [dict(arm, epochs=settings.epochs) for arm in arms], analyses
     kinds = list(settings.candidates) if settings.candidates else list(settings.arms)
     for seed in settings.seeds:
-        if seed != first:
+        if seed != first and not settings.candidates:  # choosing compares subsets only
             arms.append(full(seed))
         for fraction in settings.fractions:
             for kind in (["random"] + kinds if settings.candidates else kinds):
@@ -178,9 +182,8 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
                     arms.append(arm)
     if settings.ablations and not settings.candidates:
         for seed in settings.seeds[:settings.ablation_seeds]:
+            # What each difference from the paper is worth (fewer rows keep the default run near 45 min).
             for kind, changes in (("paper", {"weighting": "none"}), ("paper", {"selection": "random"}),
-                                  ("paper", {"allocation": "stratified"}),
-                                  ("recommended", {"weighting": "none"}), ("recommended", {"selection": "random"}),
                                   ("recommended", {"loss_reduction": "sample"})):
                 arms.append(subset(kind, seed, settings.headline_fraction, **changes))
     for arm in arms:
@@ -205,7 +208,7 @@ def write_spec(settings: Settings, data: dict, arms: list[dict], analyses: dict)
     config.update(train_micro_batch_size_per_gpu=settings.micro_batch_size, gradient_accumulation_steps=1,
                   steps_per_print=10 ** 9)
     config.pop("train_batch_size", None)
-    config["optimizer"]["params"].update(betas=[0.9, 0.95], weight_decay=0.0)
+    config["optimizer"]["params"].update(betas=[0.9, 0.95], weight_decay=0.0, eps=settings.adam_eps)
     small = sorted(data["sizes"], key=lambda f: data["sizes"][f])[:len(data["sizes"]) // 2]
     spec = {
         "work_dir": str(settings.work_dir), "base_model": str(settings.base_model or base_model_path()),
@@ -256,25 +259,38 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--results-dir", type=Path, default=Settings.results_dir)
     parser.add_argument("--name", default="quality", help="results file name: RESULTS_DIR/NAME.{json,md,png}")
     parser.add_argument("--report-only", action="store_true", help="no training: rebuild the report")
+    parser.add_argument("--recipe", default="", metavar="K=V,...",
+                        help="override the fine-tune recipe, e.g. learning_rate=2e-3,epochs=12,adam_eps=1e-6 "
+                             "(for choosing it on validation with --gate-only; never on held-out)")
+    parser.add_argument("--gate-only", action="store_true",
+                        help="only the calibration gate's arms (for a confirmation mixture: bench/README.md)")
     parser.add_argument("--test-epochs", type=int, default=None, help=argparse.SUPPRESS)  # tests only: tiny runs
     return parser.parse_args(argv)
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    settings = Settings(data=args.data, results_dir=args.results_dir, results_name=args.name,
-                        seeds=tuple(range(args.seeds)),
-                        work_dir=args.work_dir or REPO / "runs" / f"bench_{args.name}")
+def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = None) -> Settings:
+    # Each mode has its own name, so a smoke or choosing run never reuses or overwrites the default's arms.
+    name = args.name if args.name != "quality" else (
+        "quality_choose" if args.choose else "quality_quick" if args.quick else "quality")
+    command = " ".join(["python bench/quality.py"] + (argv if argv is not None else sys.argv[1:]))
+    settings = Settings(data=args.data, results_dir=args.results_dir, results_name=name,
+                        seeds=tuple(range(args.seeds)), command=command,
+                        work_dir=args.work_dir or REPO / "runs" / f"bench_{name}")
     if args.quick:
         settings = replace(settings, seeds=(0,), fractions=(0.3,), arms=("random", "paper", "recommended"),
-                           ablations=False, heldout_per_family=40, copy_probe_records=60,
-                           command=f"{settings.command} --quick")
+                           ablations=False, heldout_per_family=40, copy_probe_records=60)
+    if args.recipe:
+        pairs = dict(item.split("=", 1) for item in args.recipe.split(","))
+        settings = replace(settings, **{key: type(getattr(settings, key))(value) for key, value in pairs.items()})
+    if args.gate_only:
+        settings = replace(settings, seeds=settings.seeds[:1], gate_only=True, ablations=False)
     if args.test_epochs is not None:
         settings = replace(settings, epochs=args.test_epochs, fractions=(0.3,), ablations=False,
                            arms=("random", "paper"), copy_probe_records=8)
     if args.choose:
         candidates = json.loads((REPO / "bench" / "candidates.json").read_text())
-        settings = replace(settings, candidates=candidates, fractions=(0.3, 0.5), ablations=False,
-                           command=f"{settings.command} --choose")
+        settings = replace(settings, candidates=candidates, fractions=(settings.headline_fraction,),
+                           ablations=False)
     return settings
 
 
@@ -282,7 +298,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from bench.quality_report import write_report
 
     args = parse_args(argv)
-    settings = settings_from_args(args)
+    settings = settings_from_args(args, argv)
     settings.work_dir.mkdir(parents=True, exist_ok=True)
     data = prepare_data(settings)
     arms, analyses = build_arms(settings, data)

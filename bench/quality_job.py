@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import random
 import sys
@@ -34,6 +33,7 @@ from bench.quality_gate import calibration_gate  # noqa: E402
 from ds_cluster import distributed  # noqa: E402
 from ds_cluster.dataset import InstructionDataset, read_jsonl  # noqa: E402
 from ds_cluster.fileio import write_json_atomic  # noqa: E402
+from ds_cluster.schedules import warmup_cosine  # noqa: E402
 
 
 class Clock:
@@ -57,17 +57,6 @@ def trim_collate(items: list[dict]) -> dict[str, torch.Tensor]:
     batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
     width = max(int(batch["attention_mask"].sum(dim=1).max()), 2)
     return {key: (value[:, :width] if value.dim() == 2 else value) for key, value in batch.items()}
-
-
-def warmup_cosine(total_steps: Callable[[], int], warmup_fraction: float) -> Callable[[int], float]:
-    """Linear warmup then cosine to 0 at the run's own last step (read when training starts)."""
-    def factor(step: int) -> float:
-        total = max(total_steps(), 1)
-        warmup = max(1, round(warmup_fraction * total))
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1.0 + math.cos(math.pi * min(step - warmup, total - warmup) / max(total - warmup, 1)))
-    return factor
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -174,16 +163,25 @@ def run_arm(arm: dict, spec: dict, train: InstructionDataset, tokenizer: Any, sp
     plan = loader.plan
     steps["total"] = fixed_steps or arm["epochs"] * plan.steps_per_epoch
     set_up = clock.read()
-    epoch_losses, losses, eval_during = [], [], 0.0
+    epoch_losses, losses, eval_during, learning_rates = [], [], 0.0, {}
     clock = Clock()
     engine.train()
+    fetching = 0.0  # time in the cluster loader (plan lookup, per-epoch set-up, collate): the hook's overhead
     while engine.global_steps < steps["total"]:
-        for batch in loader:
+        batches = iter(loader)
+        while True:
+            started = time.perf_counter()
+            batch = next(batches, None)
+            fetching += time.perf_counter() - started
+            if batch is None:
+                break
             outputs = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
             loss = ds_cluster.weighted_causal_lm_loss(outputs, batch)
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
+            if engine.global_steps in (1, steps["total"] // 2, steps["total"] - 1, steps["total"]):
+                learning_rates[engine.global_steps] = engine.get_lr()[0]
             if engine.global_steps >= steps["total"]:
                 break
         if arm.get("per_epoch_validation") and loader.position >= loader.micro_batches_per_epoch:
@@ -201,8 +199,10 @@ def run_arm(arm: dict, spec: dict, train: InstructionDataset, tokenizer: Any, sp
         "arm": arm, "cluster_sampling": block, "steps": engine.global_steps, "num_kept": plan.num_kept, "num_samples": plan.num_samples,
         "kept_fraction": plan.num_kept / plan.num_samples, "kept_sizes": plan.kept_sizes.tolist(),
         "steps_per_epoch": plan.steps_per_epoch, "plan": plan.fingerprint(),
-        "time": {"setup": summed(set_up), "loop": summed(loop), "evaluation": summed(evaluated)},
+        "time": {"setup": summed(set_up), "loop": summed(loop), "evaluation": summed(evaluated),
+                 "loader_wall": max(distributed.all_gather_object(fetching))},
         "first_losses": losses[:4], "last_losses": losses[-4:], "validation_loss_per_epoch": epoch_losses,
+        "learning_rate_at_step": learning_rates,
         "load_average": {"before": load_before, "after": os.getloadavg()},
         **evaluation,
     }

@@ -231,6 +231,12 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
               "every arm that reads it: " + "; ".join(
                   f"{n}: {c['job_cpu']:.1f} CPU s, extraction {c['extract_wall']:.1f} s wall = "
                   f"{(c['extract_over_full_epoch'] or 0):.2f} of a full-data epoch" for n, c in s["selection"].items()), ""]
+    shares = [r["time"]["loader_wall"] / max(r["time"]["loop"]["wall"], 1e-9) for r in results.values()
+              if "loader_wall" in r["time"]]
+    if shares:
+        lines += [f"The cluster loader (the hook's sampler: plan lookup, per-epoch set-up, collate) took "
+                  f"{np.mean(shares):.2%} of the training loop's wall time on average, at most {max(shares):.2%} "
+                  f"(over {len(shares)} arms).", ""]
     if goal_rows:
         lines += ["## Goals", ""] + [f"- {g['goal']}: **{'met' if g['met'] else 'NOT met'}** — {g['measured']}"
                                      for g in goal_rows] + [""]

@@ -34,6 +34,7 @@ from ds_cluster.ds_config import BLOCK_PATH, read_ds_config
 from ds_cluster.fileio import write_json_atomic
 from ds_cluster.loss import weighted_causal_lm_loss
 from ds_cluster.models import load_model_and_tokenizer
+from ds_cluster.schedules import warmup_cosine
 
 logger = logging.getLogger("ds_cluster.train")
 
@@ -49,6 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: no limit)")
     parser.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH)
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="cosine: linear warm-up over --warmup-fraction of the steps, then cosine to 0 at the "
+                             "run's own last step (its length comes from the plan)")
+    parser.add_argument("--warmup-fraction", type=float, default=0.05)
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N optimizer steps (0: at the end)")
     parser.add_argument("--test-stop-after", type=int, default=0,
                         help="for tests of resume: exit after this many optimizer steps and their checkpoint")
@@ -185,8 +190,16 @@ def main(argv=None) -> int:
     dataset = load_instruction_dataset(args.data, tokenizer, max_length=args.max_length)
 
     ds_cluster.install()  # the one line: deepspeed.initialize now returns the cluster-balanced loader
+    run_steps = {"total": 0}
+    scheduler = None
+    if args.lr_schedule == "cosine":
+        factor = warmup_cosine(lambda: run_steps["total"], args.warmup_fraction)
+        scheduler = lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)  # noqa: E731
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                training_data=dataset, config=config)
+                                                training_data=dataset, config=config, lr_scheduler=scheduler)
+    if hasattr(loader, "plan"):
+        run_steps["total"] = args.epochs * loader.plan.steps_per_epoch
+        run_steps["total"] = min(run_steps["total"], args.max_steps) if args.max_steps else run_steps["total"]
     output = Path(args.output_dir)
     checkpoints = output / "checkpoints"
     if rank == 0:
