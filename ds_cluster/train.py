@@ -216,7 +216,8 @@ def main(argv=None) -> int:
         save_hf_model(engine, tokenizer, Path(args.save_model), rank)
     summary = {"rank": rank, "steps": engine.global_steps, "micro_steps": len(losses), "train_seconds": elapsed,
                "train_cpu_seconds": cpu_elapsed, "selection": getattr(loader, "selection", {}),
-               "first_losses": losses[:4], "last_losses": losses[-4:], "parameter_digest": digest}
+               "first_losses": losses[:4], "last_losses": losses[-4:], "parameter_digest": digest,
+               "learning_rate": engine.get_lr()[0] if engine.get_lr() else None}
     write_json_atomic(output / f"summary_rank{rank}.json", summary)
     if rank == 0:
         plan_summary = loader.plan.summary() if hasattr(loader, "plan") else {}

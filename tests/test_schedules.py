@@ -1,0 +1,23 @@
+"""The warm-up + cosine learning-rate factor whose length is read when training starts."""
+from __future__ import annotations
+
+import pytest
+
+from ds_cluster.schedules import warmup_cosine
+
+
+def test_warmup_then_cosine_to_zero_at_the_last_step():
+    factor = warmup_cosine(lambda: 100, 0.05)
+    assert [factor(step) for step in range(5)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    after = [factor(step) for step in range(5, 101)]
+    assert after[0] == pytest.approx(1.0) and after[-1] == pytest.approx(0.0, abs=1e-12)
+    assert all(a >= b for a, b in zip(after, after[1:]))
+    assert factor(52) == pytest.approx(0.5, abs=0.02)  # half-way through the cosine
+
+
+def test_the_length_is_read_at_every_call():
+    steps = {"total": 0}
+    factor = warmup_cosine(lambda: steps["total"], 0.1)
+    assert factor(0) == 1.0  # before the run's length is known: one warm-up step
+    steps["total"] = 20
+    assert factor(0) == pytest.approx(0.5) and factor(20) == pytest.approx(0.0, abs=1e-12)
