@@ -69,7 +69,7 @@ def test_each_rank_trains_on_exactly_its_plan_batches(uninterrupted_run: Path, e
     accumulation = expected_plan.gradient_accumulation_steps
     micro_per_epoch = expected_plan.steps_per_epoch * accumulation
     assert expected_plan.steps_per_epoch < MAX_STEPS, "the run should cross an epoch boundary"
-    schedules = {epoch: expected_plan.schedule(epoch) for epoch in range(2)}
+    schedules = {epoch: expected_plan.schedule(epoch) for epoch in range(MAX_STEPS // expected_plan.steps_per_epoch + 1)}
     for rank in range(WORLD):
         trace = read_trace(uninterrupted_run, rank)
         assert len(trace) == MAX_STEPS * accumulation, f"rank {rank} trained {len(trace)} micro-batches"
