@@ -160,6 +160,8 @@ def _pretraining_batches(texts: list[str], tokenizer) -> Iterator[tuple[torch.Te
         yield input_ids, labels
 
 
+# Not ds_cluster.schedules.warmup_cosine: this one (fixed warm-up steps, a floor, the end at step
+# total - 1) is the schedule the shipped weights were trained with, kept so they can be rebuilt exactly.
 def warmup_cosine(total_steps: int, warmup_steps: int, final_fraction: float = 0.0) -> Callable[[int], float]:
     """Learning-rate factor: linear warm-up, then a cosine that reaches ``final_fraction`` at the last step."""
     def factor(step: int) -> float:
