@@ -21,7 +21,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 PROCESS_STARTED = time.time()
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from bench.quality_gate import calibration_gate  # noqa: E402
 from ds_cluster import distributed  # noqa: E402
-from ds_cluster.dataset import InstructionDataset, read_jsonl  # noqa: E402
+from ds_cluster.dataset import InstructionDataset, read_jsonl, trim_padding_collate  # noqa: E402
 from ds_cluster.fileio import write_json_atomic  # noqa: E402
 from ds_cluster.schedules import warmup_cosine  # noqa: E402
 
@@ -50,13 +50,6 @@ def summed(timing: dict[str, float]) -> dict[str, float]:
     """Over the ranks: wall is the slowest rank's, CPU the sum of every rank's (collective)."""
     every = distributed.all_gather_object(timing)
     return {"wall": max(t["wall"] for t in every), "cpu": sum(t["cpu"] for t in every)}
-
-
-def trim_collate(items: list[dict]) -> dict[str, torch.Tensor]:
-    """Stack a micro-batch and cut the right padding every sample shares (fixed-length rows are mostly pad)."""
-    batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
-    width = max(int(batch["attention_mask"].sum(dim=1).max()), 2)
-    return {key: (value[:, :width] if value.dim() == 2 else value) for key, value in batch.items()}
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -159,7 +152,7 @@ def run_arm(arm: dict, spec: dict, train: InstructionDataset, tokenizer: Any, sp
     clock = Clock()
     engine, _, loader, _ = ds_cluster.initialize(
         model=model, model_parameters=model.parameters(), training_data=train, config=config,
-        collate_fn=trim_collate, lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
+        collate_fn=trim_padding_collate, lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
     plan = loader.plan
     steps["total"] = fixed_steps or arm["epochs"] * plan.steps_per_epoch
     set_up = clock.read()

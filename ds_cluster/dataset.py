@@ -101,6 +101,20 @@ class InstructionDataset(Dataset):
                 "labels": self.labels[index]}
 
 
+def trim_padding_collate(items: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack a micro-batch of token items and cut the trailing columns that no row attends to.
+
+    InstructionDataset rows are padded on the right to ``max_length``, mostly with pad: the model then
+    computes only the columns some row of this batch uses. Causal attention and the -100 labels of pad
+    make the trimmed batch's loss that of the padded one (up to float rounding); a
+    left-padded batch keeps its width. At least 2 columns stay for the label shift.
+    """
+    batch = {key: torch.stack([torch.as_tensor(item[key]) for item in items]) for key in items[0]}
+    used = batch["attention_mask"].bool().any(dim=0).nonzero()
+    width = max(int(used.max()) + 1 if used.numel() else 0, 2)
+    return {key: (value[:, :width] if value.dim() == 2 else value) for key, value in batch.items()}
+
+
 def dataset_fingerprint(dataset: Any) -> str:
     """What identifies a map-style dataset's content: its own ``fingerprint()`` when it has one.
 

@@ -29,7 +29,7 @@ import torch
 
 import ds_cluster
 from ds_cluster import distributed
-from ds_cluster.dataset import DEFAULT_MAX_LENGTH, load_instruction_dataset
+from ds_cluster.dataset import DEFAULT_MAX_LENGTH, load_instruction_dataset, trim_padding_collate
 from ds_cluster.ds_config import BLOCK_PATH, read_ds_config
 from ds_cluster.fileio import write_json_atomic
 from ds_cluster.loss import weighted_causal_lm_loss
@@ -196,7 +196,8 @@ def main(argv=None) -> int:
         factor = warmup_cosine(lambda: run_steps["total"], args.warmup_fraction)
         scheduler = lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)  # noqa: E731
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                training_data=dataset, config=config, lr_scheduler=scheduler)
+                                                training_data=dataset, config=config, lr_scheduler=scheduler,
+                                                collate_fn=trim_padding_collate)
     if hasattr(loader, "plan"):
         run_steps["total"] = args.epochs * loader.plan.steps_per_epoch
         run_steps["total"] = min(run_steps["total"], args.max_steps) if args.max_steps else run_steps["total"]

@@ -81,6 +81,21 @@ def test_lm_head_equals_explicit_projection_of_autograd_gradient(model, dataset)
     np.testing.assert_allclose(result.features, gradients @ dense.T, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["proxy", "lm_head"])
+def test_chunked_softmax_gives_the_unchunked_features(model, dataset, kind):
+    """Extraction takes the softmax a chunk of response positions at a time, so its memory is bounded by
+    the chunk, not the answer length; any chunk size, down to one position, must give the features of the
+    whole batch at once (chunk larger than every batch's response positions)."""
+    options = dict(kind=kind, normalize=False, show_progress=False, batch_size=5)
+    if kind == "lm_head":
+        options.update(dim=256, seed=7)
+    whole = run_extraction(model, dataset, chunk_size=10**6, **options).features
+    assert np.abs(whole).max() > 0
+    for chunk_size in (1, 3, 17):
+        chunked = run_extraction(model, dataset, chunk_size=chunk_size, **options).features
+        np.testing.assert_allclose(chunked, whole, atol=1e-5, rtol=0)
+
+
 def test_lm_head_projection_preserves_inner_products(model):
     """Johnson-Lindenstrauss check at dim 1024 of the 64 x 32 = 2048-value gradient.
 

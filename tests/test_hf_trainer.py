@@ -10,7 +10,7 @@ from ds_cluster import ClusterSamplingConfig, Plan, build_plan
 from ds_cluster.analysis_dir import AnalysisDir
 from ds_cluster.integrations.hf import SAMPLER_STATE_FILE
 from tests.launching import REPO, check, run_deepspeed, shm_buffers
-from tests.training import read_trace
+from tests.training import assert_step_is_the_reference_gradient, read_trace, write_gradient_job
 
 WORKER = REPO / "tests" / "workers" / "hf_trainer_worker.py"
 WORLD = 2
@@ -135,3 +135,15 @@ def test_one_process_loader_follows_the_plan_and_refuses_a_checkpoint_of_another
     trainer._resume_checkpoint = str(checkpoint)
     with pytest.raises(ValueError, match="trained on plan 0123456789abcdef"):
         trainer.get_train_dataloader()
+
+
+@pytest.mark.parametrize("reduction", ["sample", "token"])
+def test_trainer_step_is_the_hooks_gradient(tmp_path, reduction):
+    """ClusterTrainer's one SGD step over the whole kept subset (2 ranks x micro 2 x 3 accumulation steps)
+    equals the gradient by hand that the DeepSpeed hook's step is checked against in tests/test_hook.py
+    (same model, data, block and DeepSpeed config), for both loss reductions: the Trainer's own scaling by
+    the accumulation steps and DeepSpeed's agree."""
+    write_gradient_job(tmp_path, reduction)
+    check(run_deepspeed([str(REPO / "tests" / "workers" / "hf_grad_worker.py"), "--out", str(tmp_path)],
+                        timeout=300))
+    assert_step_is_the_reference_gradient(tmp_path, reduction)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from ds_cluster import ClusterSamplingConfig, build_plan
 from tests.launching import REPO, check, run_deepspeed, run_mpirun, run_single, shm_buffers
-from tests.training import TRAIN, assert_run_follows_plan, read_trace, train_args
+from tests.training import (TRAIN, assert_run_follows_plan, assert_step_is_the_reference_gradient, read_trace,
+                            train_args, write_gradient_job)
+
 pytestmark = pytest.mark.integration
 
 
@@ -55,40 +55,9 @@ def test_weighted_loss_gradient_is_the_stratified_full_data_estimate(tmp_path, r
     "sample": sum_c (n_c / N) mean over c's kept samples of their mean token loss; "token": the weighted
     token losses summed over the global batch's response tokens, over their number.
     """
-    from ds_cluster.loss import token_loss_sums
-    from tests.workers.feature_fixtures import tiny_llama, token_dataset
-
-    labels = np.repeat([0, 1, 2], [12, 8, 4])
-    (tmp_path / "analysis").mkdir()
-    np.save(tmp_path / "analysis" / "labels.npy", labels)
-    block = {"enabled": True, "budget_mode": "min", "selection": "random", "allocation": "stratified",
-             "analysis_path": str(tmp_path / "analysis"), "seed": 3, "loss_reduction": reduction}
-    # DeepSpeed clips gradients at 1.0 by default; off here so the step is the raw gradient.
-    config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
-              "zero_allow_untested_optimizer": True,
-              "data_efficiency": {"enabled": True, "data_sampling": {"enabled": True, "cluster_sampling": block}}}
-    (tmp_path / "ds_config.json").write_text(json.dumps(config))
+    write_gradient_job(tmp_path, reduction)
     check(run_deepspeed([str(REPO / "tests" / "workers" / "grad_worker.py"), "--out", str(tmp_path)], timeout=300))
-    delta = np.load(tmp_path / "delta.npz")
-
-    # By hand: sum_c (n_c / N) * mean over the kept samples of c of the per-sample loss gradient.
-    plan = build_plan(None, ClusterSamplingConfig.from_dict(block), world_size=2, micro_batch_size=2,
-                      gradient_accumulation_steps=3, labels=labels)
-    assert plan.num_kept == plan.global_batch_size == 12
-    model = tiny_llama(seed=0)
-    data = token_dataset(len(labels), seed=1)
-    selected = plan.selected
-    batch = {k: torch.stack([data[i][k] for i in selected]) for k in ("input_ids", "attention_mask", "labels")}
-    sums, counts = token_loss_sums(model(input_ids=batch["input_ids"],
-                                         attention_mask=batch["attention_mask"]).logits, batch["labels"])
-    weights = torch.tensor(plan.weights[selected], dtype=torch.float32)
-    assert len(set(counts.tolist())) > 1  # answers of different lengths: the two reductions differ
-    if reduction == "sample":
-        ((sums / counts) * weights).mean().backward()
-    else:
-        ((sums * weights).sum() / counts.sum()).backward()
-    for name, param in model.named_parameters():
-        assert np.allclose(delta[name], param.grad.numpy(), rtol=0, atol=1e-5), name
+    assert_step_is_the_reference_gradient(tmp_path, reduction)
 
 
 def _failing_run(small_job: Path, tmp_path: Path, mutate) -> str:

@@ -64,3 +64,60 @@ def assert_run_follows_plan(out: Path, world: int = 2) -> None:
         assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.1, losses
     digests = {json.loads((out / f"summary_rank{r}.json").read_text())["parameter_digest"] for r in range(world)}
     assert len(digests) == 1, "ranks ended with different parameters"
+
+
+# --------------------------------------------------------------------------- one step's gradient
+def write_gradient_job(root: Path, reduction: str) -> None:
+    """`root/ds_config.json` and `root/analysis` for the one-step gradient workers (grad_worker.py through
+    the DeepSpeed hook, hf_grad_worker.py through ClusterTrainer): 24 samples in clusters of 12/8/4, a
+    "min" budget keeping 12 = one global batch of 2 ranks x micro 2 x 3 accumulation steps, SGD at lr 1
+    and no clipping, so the step is the raw gradient."""
+    (root / "analysis").mkdir()
+    np.save(root / "analysis" / "labels.npy", GRADIENT_JOB_LABELS)
+    # DeepSpeed clips gradients at 1.0 by default; off here so the step is the raw gradient.
+    config = {"gradient_clipping": 0.0, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+              "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+              "data_efficiency": {"enabled": True, "data_sampling": {
+                  "enabled": True, "cluster_sampling": gradient_job_block(root, reduction)}}}
+    (root / "ds_config.json").write_text(json.dumps(config))
+
+
+GRADIENT_JOB_LABELS = np.repeat([0, 1, 2], [12, 8, 4])
+
+
+def gradient_job_block(root: Path, reduction: str) -> dict:
+    return {"enabled": True, "budget_mode": "min", "selection": "random", "allocation": "stratified",
+            "analysis_path": str(root / "analysis"), "seed": 3, "loss_reduction": reduction}
+
+
+def assert_step_is_the_reference_gradient(root: Path, reduction: str) -> None:
+    """The saved step (`root/delta.npz`, parameters before minus after) equals the gradient by hand.
+
+    "sample": sum_c (n_c / N) mean over c's kept samples of their mean token loss; "token": the weighted
+    token losses summed over the global batch's response tokens, over their number.
+    """
+    import torch
+
+    from ds_cluster import ClusterSamplingConfig, build_plan
+    from ds_cluster.loss import token_loss_sums
+    from tests.workers.feature_fixtures import tiny_llama, token_dataset
+
+    delta = np.load(root / "delta.npz")
+    plan = build_plan(None, ClusterSamplingConfig.from_dict(gradient_job_block(root, reduction)), world_size=2,
+                      micro_batch_size=2, gradient_accumulation_steps=3, labels=GRADIENT_JOB_LABELS)
+    assert plan.num_kept == plan.global_batch_size == 12
+    model = tiny_llama(seed=0)
+    data = token_dataset(len(GRADIENT_JOB_LABELS), seed=1)
+    selected = plan.selected
+    batch = {k: torch.stack([data[i][k] for i in selected]) for k in ("input_ids", "attention_mask", "labels")}
+    sums, counts = token_loss_sums(model(input_ids=batch["input_ids"],
+                                         attention_mask=batch["attention_mask"]).logits, batch["labels"])
+    weights = torch.tensor(plan.weights[selected], dtype=torch.float32)
+    assert len(set(counts.tolist())) > 1  # answers of different lengths: the two reductions differ
+    if reduction == "sample":
+        ((sums / counts) * weights).mean().backward()
+    else:
+        ((sums * weights).sum() / counts.sum()).backward()
+    for name, param in model.named_parameters():
+        assert np.allclose(delta[name], param.grad.numpy(), rtol=0, atol=1e-5), name

@@ -57,6 +57,8 @@ class ExtractionResult:
 
 # --------------------------------------------------------------------------- one batch
 def _collate(dataset: Sequence[dict], indices: range) -> dict[str, torch.Tensor]:
+    # The rows keep the dataset's full width: trimming padding per batch would make a sample's features
+    # depend (in the last bits) on its batch neighbours, and a resumed store must match an uninterrupted one.
     items = [dataset[index] for index in indices]
     return {key: torch.stack([torch.as_tensor(item[key]) for item in items])
             for key in ("input_ids", "attention_mask", "labels")}

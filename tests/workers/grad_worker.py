@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -36,9 +35,9 @@ def main() -> None:
     model = tiny_llama(seed=0)
     dataset = token_dataset(int(np.load(out / "analysis" / "labels.npy").shape[0]), seed=1)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine, _, loader, _ = ds_cluster.initialize(model=model, optimizer=optimizer, training_data=dataset,
-                                                 config=config)
+    # The config's optimizer (torch SGD at lr 1), as ClusterTrainer's run of the same config uses it.
+    engine, _, loader, _ = ds_cluster.initialize(model=model, model_parameters=model.parameters(),
+                                                 training_data=dataset, config=config)
     engine.train()
     for batch in loader:
         outputs = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
