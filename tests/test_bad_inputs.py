@@ -142,7 +142,7 @@ PLANNER_CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("cluster_per_rank with K != world", lambda: _plan(group_features(), enabled(num_clusters=4,
                                                                                  allocation="cluster_per_rank")),
      r"num_clusters must equal the world size: K=4, W=2; set num_clusters 'auto' or allocation 'stratified'"),
-    ("budget that keeps nothing", lambda: _plan(group_features(), enabled(num_clusters=4, budget_ratio=0.05)),
+    ("budget that keeps nothing", lambda: _plan(group_features(), enabled(num_clusters=4, budget_mode="min", budget_ratio=0.05)),
      r"= 0 samples per cluster.*raise budget_ratio or lower num_clusters"),
     ("labels below -1", lambda: _plan(None, enabled(selection="random"), labels=np.array([0, 1, -2] * 10)),
      r"labels must be >= 0 \(or -1 to leave a sample out\); found -2"),

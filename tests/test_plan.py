@@ -26,7 +26,10 @@ def blobs(sizes, dim=4, seed=0, spread=1.0):
 
 
 def config(**overrides) -> ClusterSamplingConfig:
-    base = {"enabled": True, "allocation": "stratified", "seed": 7, "kmeans_n_init": 2}
+    # These tests were written against the paper's settings (the defaults before the recommended preset).
+    base = {"enabled": True, "allocation": "stratified", "seed": 7, "kmeans_n_init": 2, "num_clusters": "auto",
+            "budget_mode": "min", "selection": "peripheral", "capacity_factor": 1.5, "weighting": "cluster",
+            "loss_reduction": "sample"}
     base.update(overrides)
     return ClusterSamplingConfig.from_dict(base)
 
@@ -356,6 +359,16 @@ def test_bad_input_is_a_clear_value_error(features, labels, kwargs, message):
     with pytest.raises(ValueError, match=message):
         build_plan(features, cfg, world_size=world, micro_batch_size=micro, gradient_accumulation_steps=gas,
                    labels=labels)
+
+
+def test_defaults_are_the_recommended_preset():
+    """A block without a preset gets the best setting measured (the recommended preset), not the paper's."""
+    from ds_cluster.config import RECOMMENDED_PRESET
+
+    bare = ClusterSamplingConfig.from_dict({"enabled": True}).model_dump()
+    recommended = ClusterSamplingConfig.from_dict({"enabled": True, "preset": "recommended"}).model_dump()
+    assert {key: bare[key] for key in RECOMMENDED_PRESET} == RECOMMENDED_PRESET
+    assert {k: v for k, v in bare.items() if k != "preset"} == {k: v for k, v in recommended.items() if k != "preset"}
 
 
 def test_config_errors_name_the_key(tmp_path):

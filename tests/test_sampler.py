@@ -13,7 +13,7 @@ from ds_cluster.sampler import ClusterDataLoader
 def make_plan(world: int = 2, micro: int = 2, gas: int = 2):
     labels = np.repeat(np.arange(3), [30, 12, 6])
     cfg = ClusterSamplingConfig(enabled=True, budget_mode="proportional", budget_ratio=0.75, selection="random",
-                                seed=9)
+                                weighting="cluster", loss_reduction="sample", seed=9)
     return build_plan(None, cfg, world_size=world, micro_batch_size=micro, gradient_accumulation_steps=gas,
                       labels=labels)
 
