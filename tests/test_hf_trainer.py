@@ -137,6 +137,7 @@ def test_one_process_loader_follows_the_plan_and_refuses_a_checkpoint_of_another
         trainer.get_train_dataloader()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("reduction", ["sample", "token"])
 def test_trainer_step_is_the_hooks_gradient(tmp_path, reduction):
     """ClusterTrainer's one SGD step over the whole kept subset (2 ranks x micro 2 x 3 accumulation steps)
