@@ -110,6 +110,8 @@ def trim_padding_collate(items: Sequence[Mapping[str, torch.Tensor]]) -> dict[st
     left-padded batch keeps its width. At least 2 columns stay for the label shift.
     """
     batch = {key: torch.stack([torch.as_tensor(item[key]) for item in items]) for key in items[0]}
+    if "attention_mask" not in batch:
+        return batch  # nothing says which columns are padding
     used = batch["attention_mask"].bool().any(dim=0).nonzero()
     width = max(int(used.max()) + 1 if used.numel() else 0, 2)
     return {key: (value[:, :width] if value.dim() == 2 else value) for key, value in batch.items()}

@@ -12,6 +12,7 @@ from ds_cluster.dataset import (
     format_prompt,
     load_instruction_dataset,
     read_jsonl,
+    trim_padding_collate,
     write_jsonl,
 )
 from ds_cluster.toy import pretraining, tasks
@@ -200,6 +201,29 @@ def test_instruction_dataset_masks_the_prompt(tokenizer, mixture):
         assert tokenizer.decode(response[:-1]) == record["output"] and response[-1] == tokenizer.eos_token_id
         # The labelled tokens are exactly the tail of the real sequence.
         assert labelled.nonzero().flatten().tolist() == list(range(length - len(response), length))
+
+
+def test_trimming_the_shared_padding_keeps_each_samples_loss(tokenizer, mixture):
+    """The training script's collate cuts the columns no row attends to: fewer columns, same per-sample loss."""
+    from ds_cluster.loss import token_loss_sums
+    from ds_cluster.toy.models import tiny_model
+
+    dataset = load_instruction_dataset(mixture[0][:6], tokenizer, max_length=96)
+    items = [dataset[i] for i in range(len(dataset))]
+    padded = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+    trimmed = trim_padding_collate(items)
+    longest = int(padded["attention_mask"].sum(dim=1).max())
+    assert trimmed["input_ids"].shape == (6, longest) and longest < padded["input_ids"].shape[1]
+    assert torch.equal(trimmed["labels"], padded["labels"][:, :longest])
+    model = tiny_model(seed=0)[0].eval()
+    with torch.no_grad():
+        losses = [token_loss_sums(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                                  batch["labels"]) for batch in (padded, trimmed)]
+    assert torch.allclose(losses[0][0], losses[1][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(losses[0][1], losses[1][1])
+    # Left padding (the last column in use) keeps the full width.
+    flipped = [{key: value.flip(0) for key, value in item.items()} for item in items]
+    assert trim_padding_collate(flipped)["input_ids"].shape == padded["input_ids"].shape
 
 
 def test_truncation_drops_the_prompt_first(tokenizer):
