@@ -50,21 +50,21 @@ class ClusterSamplingConfig(BaseModel):
 
     enabled: bool = False
     preset: Optional[Literal["paper", "recommended"]] = None
-    # The defaults are the recommended preset (the best setting measured; tests/test_plan.py checks they agree).
-    num_clusters: Union[Literal["auto"], int] = 8
-    budget_mode: Literal["min", "proportional", "equal", "neyman"] = "proportional"
+    # The defaults are the recommended preset: the best setting measured.
+    num_clusters: Union[Literal["auto"], int] = RECOMMENDED_PRESET["num_clusters"]
+    budget_mode: Literal["min", "proportional", "equal", "neyman"] = RECOMMENDED_PRESET["budget_mode"]
     budget_ratio: float = Field(1.0, gt=0.0, le=1.0)
     budget_samples: Optional[int] = Field(None, ge=1)
-    selection: Literal["peripheral", "core", "random", "mix", "norm", "spread", "kcenter"] = "spread"
-    capacity_factor: Optional[float] = Field(None, ge=1.0)
+    selection: Literal["peripheral", "core", "random", "mix", "norm", "spread", "kcenter"] = RECOMMENDED_PRESET["selection"]
+    capacity_factor: Optional[float] = Field(RECOMMENDED_PRESET["capacity_factor"], ge=1.0)
     capacity_neighbors: int = Field(8, ge=1)
     kmeans_n_init: int = Field(10, ge=1)
     kmeans_max_iter: int = Field(300, ge=1)
     backend: Literal["sklearn", "faiss"] = "sklearn"
     sharded_clustering: bool = False
     allocation: Literal["stratified", "cluster_per_rank"] = "stratified"
-    weighting: Literal["cluster", "none"] = "none"
-    loss_reduction: Literal["sample", "token"] = "token"
+    weighting: Literal["cluster", "none"] = RECOMMENDED_PRESET["weighting"]
+    loss_reduction: Literal["sample", "token"] = RECOMMENDED_PRESET["loss_reduction"]
     seed: int = Field(1234, ge=0)
     analysis_path: Optional[str] = None
     feature_kind: Literal["proxy", "lm_head"] = "proxy"
