@@ -5,6 +5,7 @@
     python bench/quality.py --data DIR            # any folder with train.jsonl and heldout.jsonl (Alpaca + family)
     python bench/quality.py --choose              # the candidates for the recommended preset, validation only
     python bench/quality.py --report-only         # rebuild quality.{json,md,png} from finished arms
+    python bench/quality.py --base-model DIR      # another base model (a Hugging Face checkpoint folder)
 
 Validation is carved from train here (VALIDATION_FRACTION of every family, at least VALIDATION_MIN,
 a fixed split seed); every choice is made on it, never on held-out. All arms run in one DeepSpeed job
@@ -262,6 +263,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--recipe", default="", metavar="K=V,...",
                         help="override the fine-tune recipe, e.g. learning_rate=2e-3,epochs=12,adam_eps=1e-6 "
                              "(for choosing it on validation with --gate-only; never on held-out)")
+    parser.add_argument("--base-model", type=Path, default=None,
+                        help="a Hugging Face checkpoint folder to fine-tune (default: the shipped toy base model)")
     parser.add_argument("--gate-only", action="store_true",
                         help="only the calibration gate's arms (for a confirmation mixture: bench/README.md)")
     parser.add_argument("--test-epochs", type=int, default=None, help=argparse.SUPPRESS)  # tests only: tiny runs
@@ -275,7 +278,7 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     command = " ".join(["python bench/quality.py"] + (argv if argv is not None else sys.argv[1:]))
     settings = Settings(data=args.data, results_dir=args.results_dir, results_name=name,
                         seeds=tuple(range(args.seeds)), command=command,
-                        work_dir=args.work_dir or REPO / "runs" / f"bench_{name}")
+                        work_dir=args.work_dir or REPO / "runs" / f"bench_{name}", base_model=args.base_model)
     if args.quick:
         settings = replace(settings, seeds=(0,), fractions=(0.3,), arms=("random", "paper", "recommended"),
                            ablations=False, heldout_per_family=40, copy_probe_records=60)

@@ -38,3 +38,20 @@ def test_a_run_that_misses_the_gate_says_so_and_stops(tmp_path):
     validation = json.loads((tmp_path / "work" / "data" / "validation.jsonl").read_text().splitlines()[0])
     train = (tmp_path / "work" / "data" / "train.jsonl").read_text()
     assert json.dumps(validation) not in train  # validation is carved out of train
+
+
+def test_base_model_flag_reaches_the_job_spec(tmp_path):
+    """--base-model DIR is the checkpoint every arm loads; without it, the shipped base model."""
+    from bench import quality
+    from ds_cluster.toy.models import base_model_path
+
+    write_mixture(tmp_path / "data", seed=5, total=240, heldout_per_family=3)
+    for flags, expected in ((["--base-model", str(tmp_path / "other")], str(tmp_path / "other")),
+                            ([], base_model_path())):
+        argv = ["--data", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work"), "--gate-only", *flags]
+        settings = quality.settings_from_args(quality.parse_args(argv), argv)
+        settings.work_dir.mkdir(parents=True, exist_ok=True)
+        data = quality.prepare_data(settings)
+        arms, analyses = quality.build_arms(settings, data)
+        job_spec = json.loads(Path(quality.write_spec(settings, data, arms, analyses)).read_text())
+        assert job_spec["base_model"] == expected
