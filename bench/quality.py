@@ -1,11 +1,12 @@
 """Time to quality: which sampling reaches full-data quality in less time? 2 ranks, ZeRO-2, CPU.
 
-    python bench/quality.py                       # the default run (about 45 min on 2 idle cores)
+    python bench/quality.py                       # the default run (45-80 min on 2 idle cores: bench/README.md)
     python bench/quality.py --quick               # a smoke run (at most 10 min)
     python bench/quality.py --data DIR            # any folder with train.jsonl and heldout.jsonl (Alpaca + family)
     python bench/quality.py --choose              # the candidates for the recommended preset, validation only
     python bench/quality.py --report-only         # rebuild quality.{json,md,png} from finished arms
     python bench/quality.py --base-model DIR      # another base model (a Hugging Face checkpoint folder)
+    python bench/quality.py --arms random,recommended --no-ablations   # only these arms beside full data
 
 Validation is carved from train here (VALIDATION_FRACTION of every family, at least VALIDATION_MIN,
 a fixed split seed); every choice is made on it, never on held-out. All arms run in one DeepSpeed job
@@ -267,6 +268,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="a Hugging Face checkpoint folder to fine-tune (default: the shipped toy base model)")
     parser.add_argument("--gate-only", action="store_true",
                         help="only the calibration gate's arms (for a confirmation mixture: bench/README.md)")
+    parser.add_argument("--arms", default=None, metavar="A,B,...",
+                        help=f"the subset arms to run beside full data (default {','.join(Settings.arms)}); "
+                             "a confirmation run may leave out arms its claim does not use")
+    parser.add_argument("--no-ablations", action="store_true", help="leave out the ablation rows")
     parser.add_argument("--test-epochs", type=int, default=None, help=argparse.SUPPRESS)  # tests only: tiny runs
     return parser.parse_args(argv)
 
@@ -282,6 +287,14 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     if args.quick:
         settings = replace(settings, seeds=(0,), fractions=(0.3,), arms=("random", "paper", "recommended"),
                            ablations=False, heldout_per_family=40, copy_probe_records=60)
+    if args.arms is not None:
+        arms = tuple(arm for arm in args.arms.split(",") if arm)
+        unknown = sorted(set(arms) - set(Settings.arms))
+        if unknown or not arms:
+            raise SystemExit(f"--arms: unknown {unknown or 'empty list'}; choose from {','.join(Settings.arms)}")
+        settings = replace(settings, arms=arms)
+    if args.no_ablations:
+        settings = replace(settings, ablations=False)
     if args.recipe:
         pairs = dict(item.split("=", 1) for item in args.recipe.split(","))
         settings = replace(settings, **{key: type(getattr(settings, key))(value) for key, value in pairs.items()})

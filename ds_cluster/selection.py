@@ -57,7 +57,8 @@ def cluster_budgets(
         return _proportional(sizes, total)
     if mode == "neyman":
         if cluster_spreads is None:
-            raise ValueError("budget_mode 'neyman' needs features (the clusters' spreads); pass features to build_plan")
+            raise ValueError("budget_mode 'neyman' needs features (the clusters' spreads) and there are none "
+                             "(labels only); set budget_mode 'proportional', 'equal' or 'min', or pass the features")
         spreads = np.asarray(cluster_spreads, dtype=np.float64)
         priority = sizes * spreads
         if not np.isfinite(priority).all() or priority.sum() <= 0:

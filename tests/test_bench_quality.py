@@ -55,3 +55,19 @@ def test_base_model_flag_reaches_the_job_spec(tmp_path):
         arms, analyses = quality.build_arms(settings, data)
         job_spec = json.loads(Path(quality.write_spec(settings, data, arms, analyses)).read_text())
         assert job_spec["base_model"] == expected
+
+
+def test_arms_flag_runs_only_the_named_arms_beside_full_data(tmp_path):
+    """--arms random,recommended --no-ablations: full data and those arms on every seed and fraction, nothing else."""
+    from bench import quality
+
+    write_mixture(tmp_path / "data", seed=5, total=240, heldout_per_family=3)
+    argv = ["--data", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work"),
+            "--arms", "random,recommended", "--no-ablations"]
+    settings = quality.settings_from_args(quality.parse_args(argv), argv)
+    settings.work_dir.mkdir(parents=True, exist_ok=True)
+    arms, _ = quality.build_arms(settings, quality.prepare_data(settings))
+    assert {arm["setting"] for arm in arms} == {"full", "random", "recommended"}
+    assert len([arm for arm in arms if arm["setting"] == "recommended"]) == len(settings.seeds) * len(settings.fractions)
+    with pytest.raises(SystemExit, match="oracel"):
+        quality.settings_from_args(quality.parse_args(["--arms", "random,oracel"]), [])
