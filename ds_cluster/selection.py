@@ -56,6 +56,8 @@ def cluster_budgets(
     if mode == "proportional":
         return _proportional(sizes, total)
     if mode == "neyman":
+        if total == int(sizes.sum()):
+            return sizes.copy()  # everything kept: the spreads cannot change anything, so none are needed
         if cluster_spreads is None:
             raise ValueError("budget_mode 'neyman' needs features (the clusters' spreads) and there are none "
                              "(labels only); set budget_mode 'proportional', 'equal' or 'min', or pass the features")

@@ -152,7 +152,7 @@ PLANNER_CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("micro batch 0", lambda: _plan(group_features(), enabled(num_clusters=4), micro=0),
      r"micro_batch_size must be an integer >= 1, got 0"),
     ("neither features nor labels", lambda: _plan(None, enabled()), r"build_plan needs features, or labels"),
-    ("labels only with the default neyman budget", lambda: _plan(None, enabled(selection="random"),
+    ("labels only with the default neyman budget", lambda: _plan(None, enabled(selection="random", budget_ratio=0.5),
                                                                labels=np.array([0, 1] * 20)),
      r"budget_mode 'neyman' needs features .*labels only.*set budget_mode 'proportional', 'equal' or 'min'"),
 ]

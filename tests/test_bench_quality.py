@@ -67,7 +67,7 @@ def test_arms_flag_runs_only_the_named_arms_beside_full_data(tmp_path):
     settings = quality.settings_from_args(quality.parse_args(argv), argv)
     settings.work_dir.mkdir(parents=True, exist_ok=True)
     arms, _ = quality.build_arms(settings, quality.prepare_data(settings))
-    assert {arm["setting"] for arm in arms} == {"full", "random", "recommended"}
-    assert len([arm for arm in arms if arm["setting"] == "recommended"]) == len(settings.seeds) * len(settings.fractions)
+    assert {arm["method"] for arm in arms} == {"full", "random", "recommended"}
+    assert len([arm for arm in arms if arm["method"] == "recommended"]) == len(settings.seeds) * len(settings.fractions)
     with pytest.raises(SystemExit, match="oracel"):
         quality.settings_from_args(quality.parse_args(["--arms", "random,oracel"]), [])
