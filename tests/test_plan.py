@@ -460,3 +460,11 @@ def test_each_rank_builds_exactly_its_part_of_the_schedule(world, micro, accumul
     whole = plan.schedule(epoch)
     for rank in range(world):
         assert np.array_equal(plan.rank_schedule(epoch, rank), whole[:, rank])
+
+
+def test_neyman_that_keeps_everything_needs_no_spreads():
+    """A labels-only analysis at budget_ratio 1 (the default) keeps every sample under the default neyman budget."""
+    sizes = np.array([7, 3, 12])
+    assert cluster_budgets(sizes, "neyman", 1.0).tolist() == [7, 3, 12]
+    with pytest.raises(ValueError, match="neyman' needs features"):
+        cluster_budgets(sizes, "neyman", 0.5)
