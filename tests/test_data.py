@@ -12,6 +12,7 @@ from ds_cluster.dataset import (
     format_prompt,
     load_instruction_dataset,
     read_jsonl,
+    read_records,
     trim_padding_collate,
     write_jsonl,
 )
@@ -273,3 +274,34 @@ def test_fingerprint_changes_with_the_data(tokenizer, mixture):
 def test_missing_source_is_a_clear_error(tmp_path, tokenizer):
     with pytest.raises(FileNotFoundError):
         load_instruction_dataset(tmp_path / "nothing.jsonl", tokenizer)
+
+
+def test_gzipped_jsonl_reads_like_plain_jsonl(tmp_path, mixture):
+    import gzip
+
+    records = mixture[1][:10]
+    write_jsonl(records, tmp_path / "plain.jsonl")
+    (tmp_path / "train.jsonl.gz").write_bytes(gzip.compress((tmp_path / "plain.jsonl").read_bytes()))
+    assert read_jsonl(tmp_path / "train.jsonl.gz") == read_records(str(tmp_path / "train.jsonl.gz")) == records
+    # The content decides, not the suffix.
+    (tmp_path / "named_plain.jsonl").write_bytes((tmp_path / "train.jsonl.gz").read_bytes())
+    assert read_jsonl(tmp_path / "named_plain.jsonl") == records
+
+
+def test_a_bad_jsonl_line_is_named(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"instruction": "a", "output": "b"}\n\n{"instruction": \n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl line 3: not valid JSON"):
+        read_jsonl(path)
+    path.write_text('{"instruction": "a", "output": "b"}\n["a", "b"]\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl line 2: a record must be a JSON object, got list"):
+        read_jsonl(path)
+
+
+def test_categories_read_category_else_family(tokenizer):
+    records = [{"instruction": "a", "output": "b", "category": "c1", "family": "f1"},
+               {"instruction": "a", "output": "b", "family": "f2"},
+               {"instruction": "a", "output": "b", "category": None, "family": "f3"},
+               {"instruction": "a", "output": "b"}]
+    dataset = load_instruction_dataset(records, tokenizer, max_length=32)
+    assert dataset.categories == dataset.families == ["c1", "f2", "f3", ""]
