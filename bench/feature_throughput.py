@@ -68,6 +68,7 @@ def main() -> None:
 
     from ds_cluster.dataset import load_instruction_dataset
     from ds_cluster.distributed import all_gather_object, get_rank, get_world_size, init_distributed, shutdown
+    from ds_cluster.distributed import collectives as distributed_collectives
     from ds_cluster.features.extract import run_extraction
     from ds_cluster.models import load_model_and_tokenizer
     from ds_cluster.toy.models import base_model_path
@@ -91,14 +92,15 @@ def main() -> None:
     # Warm-up (allocator, first-call costs) for both sides, not timed.
     _train_epoch(engine, dataset, args.batch_size, rank, world_size, limit=3)
     run_extraction(engine, [dataset[i] for i in range(4 * args.batch_size)], kind="proxy",
-                   batch_size=args.batch_size, show_progress=False)
+                   batch_size=args.batch_size, show_progress=False, collectives=distributed_collectives())
 
     results: dict = {}
     for kind, dim in (("proxy", None), ("lm_head", args.lm_head_dim)):
         all_gather_object(None)
         started = time.perf_counter()
         extraction = run_extraction(engine, dataset, kind=kind, dim=dim, batch_size=args.batch_size,
-                                    store=store_root / kind, overwrite=True, show_progress=False)
+                                    store=store_root / kind, overwrite=True, show_progress=False,
+                                    collectives=distributed_collectives())
         seconds = time.perf_counter() - started
         results[kind] = {"dim": extraction.dim, "seconds": round(seconds, 3),
                          "samples_per_s": round(len(dataset) / seconds, 1)}

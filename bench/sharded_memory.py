@@ -45,11 +45,11 @@ def main() -> int:
     args = parser.parse_args()
 
     from ds_cluster import distributed
-    from ds_cluster.clustering_sharded import Collectives, cluster_sharded
+    from ds_cluster.clustering_sharded import cluster_sharded
 
     distributed.init_distributed()
     rank, world = distributed.get_rank(), distributed.get_world_size()
-    collectives = Collectives(sum=distributed.sum_over_ranks, gather=distributed.all_gather_object)
+    collectives = distributed.collectives()
     rows_out = []
     for num_samples in sorted(args.sizes):
         rows, points = own_rows(num_samples, rank, world)

@@ -20,10 +20,11 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from ds_cluster.analysis_dir import AnalysisDir
-from ds_cluster.clustering import ClusterResult, category_counts, cluster_features, purity
+from ds_cluster.clustering import (ClusterResult, category_counts, cluster_by_config, kmeans_settings, purity,
+                                   spread_to_all)
+from ds_cluster.collectives import LOCAL, Collectives
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.dataset import dataset_fingerprint
-from ds_cluster.distributed import agree_on_error, get_rank, get_world_size
 from ds_cluster.features.extract import ExtractionResult, run_extraction
 from ds_cluster.features.store import DEFAULT_SHARD_SIZE
 
@@ -52,17 +53,22 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
             *, kind: Optional[str] = None, dim: Optional[int] = None, batch_size: int = 8,
             store_dir: Union[None, str, os.PathLike] = None, recompute: bool = False,
             shard_size: int = DEFAULT_SHARD_SIZE, show_progress: bool = True,
-            provenance: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+            provenance: Optional[Mapping[str, Any]] = None, collectives: Collectives = LOCAL,
+            analysis_of: Optional[Sequence[Any]] = None) -> dict[str, Any]:
     """Extract features with `engine`, cluster them, and write the analysis folder `out_dir`.
 
     Collective: call on every rank with the same arguments. `kind`/`dim`
     default to the settings' ``feature_kind``/``feature_dim``; K is
     ``settings.resolved_num_clusters(world_size)``. `recompute` discards the
     feature store (default ``out_dir/.feature_store``). `provenance` (model,
-    data paths...) goes into manifest.json. Returns the summary on every rank.
+    data paths...) goes into manifest.json. `collectives`: this rank among the
+    ranks sharing the work (`ds_cluster.distributed.collectives()` in a job).
+    `analysis_of`: the training data the analysis is for, when `dataset` is its
+    re-encoding for a separate feature model (the manifest records its fingerprint).
+    Returns the summary on every rank.
     """
     started = time.perf_counter()
-    rank, world_size = get_rank(), get_world_size()
+    rank, world_size = collectives.rank, collectives.world_size
     folder = AnalysisDir(out_dir)
     kind = kind or settings.feature_kind
     dim = dim if dim is not None else (settings.feature_dim if kind != "proxy" else None)
@@ -70,42 +76,39 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
     extraction = run_extraction(engine, dataset, kind=kind, dim=dim, batch_size=batch_size, store=store_path,
                                 seed=settings.seed, normalize=settings.normalize_features,
                                 show_progress=show_progress, shard_size=shard_size, overwrite=recompute,
-                                sharded=settings.sharded_clustering)
+                                sharded=settings.sharded_clustering, collectives=collectives)
     extracted = time.perf_counter()
     gc.collect()
-    clusters = _sharded_clusters(extraction, settings, world_size) if settings.sharded_clustering else None
+    clusters = _sharded_clusters(extraction, settings, collectives) if settings.sharded_clustering else None
     error: Optional[BaseException] = None
     if rank == 0:
         try:
             # The training config's stage when the caller names it (a forward-only engine runs 1 and 2 as 0).
             stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
-            _cluster_and_write(folder, extraction, dataset, settings, world_size, store_path,
+            _cluster_and_write(folder, extraction, dataset if analysis_of is None else analysis_of, settings,
+                               world_size, store_path,
                                timings={"extract": extracted - started}, started=started,
                                provenance={"zero_stage": stage, **(provenance or {})}, clusters=clusters)
         except (ValueError, OSError, RuntimeError) as err:
             error = err
     # Also the barrier: rank 0 has finished writing the folder when this gather completes.
-    agree_on_error(error, "clustering and writing the analysis")
+    collectives.agree_on_error(error, "clustering and writing the analysis")
     summary = folder.summary()
     assert summary is not None
     return summary
 
 
-def _sharded_clusters(extraction: ExtractionResult, settings: ClusterSamplingConfig, world_size: int
+def _sharded_clusters(extraction: ExtractionResult, settings: ClusterSamplingConfig, collectives: Collectives
                       ) -> ClusterResult:
     """k-means over every rank's own rows together (collective); the result for the samples with response tokens."""
-    from ds_cluster.clustering_sharded import Collectives, cluster_sharded
-    from ds_cluster.distributed import all_gather_object, sum_over_ranks
+    from ds_cluster.clustering_sharded import cluster_sharded
 
     has_response = ~np.asarray(extraction.empty_mask, dtype=bool)
     assert extraction.rows is not None
     keep = has_response[extraction.rows]
     result = cluster_sharded(extraction.rows[keep], extraction.features[keep],
-                             num_samples=int(extraction.empty_mask.size),
-                             num_clusters=settings.resolved_num_clusters(world_size), seed=settings.seed,
-                             collectives=Collectives(sum=sum_over_ranks, gather=all_gather_object),
-                             n_init=settings.kmeans_n_init, max_iter=settings.kmeans_max_iter,
-                             capacity_factor=settings.capacity_factor, capacity_neighbors=settings.capacity_neighbors)
+                             num_samples=int(extraction.empty_mask.size), collectives=collectives,
+                             **kmeans_settings(settings, collectives.world_size))
     # all_rows are exactly the samples with response tokens, ascending: the order rank 0 writes them in.
     return ClusterResult(result.all_labels, result.centroids, result.all_distances)
 
@@ -121,16 +124,9 @@ def _cluster_and_write(folder: AnalysisDir, extraction: ExtractionResult, datase
     # Samples without response tokens have no gradient: they stay out of k-means (label -1).
     has_response = ~np.asarray(extraction.empty_mask, dtype=bool)
     if clusters is None:
-        clusters = cluster_features(extraction.features[has_response], num_clusters=num_clusters,
-                                    n_init=settings.kmeans_n_init, max_iter=settings.kmeans_max_iter,
-                                    capacity_factor=settings.capacity_factor,
-                                    capacity_neighbors=settings.capacity_neighbors, backend=settings.backend,
-                                    seed=settings.seed)
+        clusters = cluster_by_config(extraction.features[has_response], settings, world_size)
     num_samples = len(dataset)
-    labels = np.full(num_samples, -1, dtype=np.int64)
-    labels[has_response] = clusters.labels
-    distances = np.zeros(num_samples, dtype=np.float64)
-    distances[has_response] = clusters.distances
+    labels, distances = spread_to_all(clusters, np.flatnonzero(has_response), num_samples)
     timings = {**timings, "cluster": time.perf_counter() - clustering_started}
     summary: dict[str, Any] = {
         "num_samples": num_samples, "num_empty": extraction.num_empty, "kind": extraction.kind,
@@ -142,10 +138,11 @@ def _cluster_and_write(folder: AnalysisDir, extraction: ExtractionResult, datase
         "timings_s": {name: round(value, 3) for name, value in timings.items()},
         "extract_samples_per_s": round(num_samples / max(timings["extract"], 1e-9), 2),
     }
-    categories = getattr(dataset, "families", None)
+    # A category per sample (a task family, say) when the dataset carries them: for the purity in the summary.
+    categories = getattr(dataset, "categories", None) or getattr(dataset, "families", None)
     if categories is not None and any(categories):
         names, counts = category_counts(labels, categories, num_clusters)
-        summary.update(purity=purity(counts), cluster_families=[
+        summary.update(purity=purity(counts), cluster_categories=[
             {name: int(count) for name, count in zip(names, row) if count} for row in counts])
     manifest = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -6,12 +6,15 @@ An analysis is what the plan is built from::
     labels.npy       (N,) int64 cluster (or category) of every sample, -1 for samples left out
     centroids.npy    (K, d) float32
     distances.npy    (N,) distance of every sample to its centroid
-    empty_mask.npy   (N,) bool, samples without response tokens (zero feature rows)
+    empty_mask.npy   (N,) bool, the samples left out: no response tokens, so no gradient (zero feature rows)
     manifest.json    what produced it: model, data, fingerprints, feature and clustering settings
     summary.json     N, num_empty, cluster sizes, kind, dim, timings, category purity
 
 `ds-cluster analyze` (and a training job that finds no analysis) writes all of
 it; a hand-made analysis may hold just `features.npy` and/or `labels.npy`.
+`empty_mask.npy` is the one record of the samples left out, and the plan reads
+it as its `exclude`; a hand-made analysis without it leaves out its all-zero
+feature rows (a sample without a gradient) and its labels of -1.
 The folder is built under a hidden name next to it and swapped in, so a failed
 write leaves the previous analysis intact.
 """
@@ -104,16 +107,11 @@ class AnalysisDir:
                     f"{self.path / name} has {array.shape[0]} rows but the training dataset has {dataset_size} "
                     "samples: the analysis was made for different data; rerun `ds-cluster analyze` on this dataset")
         self.check_dataset(dataset_fingerprint)
-        exclude = None
-        if features is not None:
-            if not np.isfinite(features).all():
-                bad_rows = np.flatnonzero(~np.isfinite(features).all(axis=1))
-                raise ValueError(f"{self.path / 'features.npy'} has NaN or inf in {bad_rows.size} rows (first: row "
-                                 f"{int(bad_rows[0])}); rerun `ds-cluster analyze` (in fp32) to recompute the features")
-            # All-zero rows are samples without response tokens: no gradient, so no cluster.
-            exclude = ~np.any(features != 0, axis=1)
-            if not exclude.any():
-                exclude = None
+        if features is not None and not np.isfinite(features).all():
+            bad_rows = np.flatnonzero(~np.isfinite(features).all(axis=1))
+            raise ValueError(f"{self.path / 'features.npy'} has NaN or inf in {bad_rows.size} rows (first: row "
+                             f"{int(bad_rows[0])}); rerun `ds-cluster analyze` (in fp32) to recompute the features")
+        exclude = self._excluded(features, dataset_size)
         if labels is not None and not np.issubdtype(labels.dtype, np.integer):
             raise ValueError(f"{self.path / 'labels.npy'} must hold integers, got {labels.dtype}")
         # The clustering's own geometry, when the analysis recorded it next to its labels.
@@ -124,6 +122,21 @@ class AnalysisDir:
         if labels is not None and exclude is not None:
             labels = np.where(exclude, -1, labels)
         return PlanInputs(features, labels, exclude, distances, centroids)
+
+    def _excluded(self, features: Optional[np.ndarray], dataset_size: int) -> Optional[np.ndarray]:
+        """The samples left out (None when none): empty_mask.npy, or a hand-made analysis's all-zero rows."""
+        recorded = self._array("empty_mask.npy", ndim=1)
+        if recorded is not None:
+            if recorded.shape[0] != dataset_size or recorded.dtype != np.bool_:
+                raise ValueError(f"{self.path / 'empty_mask.npy'} must be {dataset_size} booleans, got "
+                                 f"{recorded.shape[0]} of {recorded.dtype}; rerun `ds-cluster analyze`")
+            exclude = recorded
+        elif features is not None:
+            # A sample without response tokens has no gradient: an all-zero row, and no cluster.
+            exclude = ~np.any(features != 0, axis=1)
+        else:
+            return None
+        return exclude if exclude.any() else None
 
     def check_dataset(self, dataset_fingerprint: Optional[str]) -> None:
         """Refuse an analysis whose manifest records another dataset than `dataset_fingerprint`."""

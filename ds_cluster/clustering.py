@@ -7,9 +7,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ds_cluster.config import ClusterSamplingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +215,34 @@ def capped_assignment(
     logger.info("capacity cap %d moved %d samples off their nearest centre", capacity,
                 int((labels != nearest[:, 0]).sum()))
     return labels.astype(np.int64)
+
+
+def kmeans_settings(config: "ClusterSamplingConfig", world_size: int) -> dict[str, Any]:
+    """The k-means keywords of a cluster_sampling block, K resolved for `world_size`.
+
+    The one reading of the block for every k-means call: in one process
+    (`cluster_by_config`) and over the ranks (`clustering_sharded.cluster_sharded`).
+    """
+    return {"num_clusters": config.resolved_num_clusters(world_size), "seed": config.seed,
+            "n_init": config.kmeans_n_init, "max_iter": config.kmeans_max_iter,
+            "capacity_factor": config.capacity_factor, "capacity_neighbors": config.capacity_neighbors}
+
+
+def cluster_by_config(points: np.ndarray, config: "ClusterSamplingConfig", world_size: int) -> ClusterResult:
+    """k-means of `points` as the block says (K, restarts, cap, back-end, seed)."""
+    return cluster_features(points, backend=config.backend, **kmeans_settings(config, world_size))
+
+
+def spread_to_all(clusters: ClusterResult, participating_rows: np.ndarray, num_samples: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Labels (N,) and distances (N,) of every sample from those of the participating rows: -1 and 0 elsewhere."""
+    if participating_rows.size == num_samples:
+        return clusters.labels, clusters.distances  # every sample takes part: nothing to spread
+    labels = np.full(num_samples, -1, dtype=np.int64)
+    labels[participating_rows] = clusters.labels
+    distances = np.zeros(num_samples, dtype=np.float64)
+    distances[participating_rows] = clusters.distances
+    return labels, distances
 
 
 def category_counts(labels: np.ndarray, categories: Sequence[str], num_clusters: int

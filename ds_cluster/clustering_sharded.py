@@ -10,30 +10,20 @@ rank. Each rank holds some rows (with their global indices); what crosses ranks 
   the same greedy pass on every rank; the rare points whose candidates are all full get their
   distances to every centre from the rank that holds them.
 
-The collectives are passed in (`Collectives`): the module itself is pure numpy, and `LOCAL` runs the
+The collectives are passed in (`ds_cluster.collectives.Collectives`): the module itself is pure numpy, and `LOCAL` runs the
 same algorithm in one process, which is what two ranks must reproduce.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import numpy as np
 from scipy import sparse
 
 from ds_cluster.clustering import capped_assignment, distances_to_centres, nearest_centroids
-
-
-@dataclass(frozen=True)
-class Collectives:
-    """sum: element-wise float64 sum of an array over the ranks; gather: every rank's object, in rank order."""
-
-    sum: Callable[[np.ndarray], np.ndarray]
-    gather: Callable[[Any], list]
-
-
-LOCAL = Collectives(sum=lambda array: array, gather=lambda value: [value])
+from ds_cluster.collectives import LOCAL, Collectives
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,9 @@ class ClusterSamplingConfig(BaseModel):
     feature_kind: Literal["proxy", "lm_head"] = "proxy"
     feature_dim: Optional[int] = Field(None, ge=1)
     normalize_features: bool = True
+    # A checkpoint folder used only to compute the features (its own forward-only engine and tokenizer).
+    feature_model: Optional[str] = None
+    feature_max_length: Optional[int] = Field(None, ge=2)
 
     @model_validator(mode="before")
     @classmethod

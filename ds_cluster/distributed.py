@@ -15,6 +15,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from ds_cluster.collectives import LOCAL, Collectives
+
 logger = logging.getLogger(__name__)
 
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
@@ -149,14 +151,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def all_gather_object(value: Any) -> list[Any]:
-    """Every rank's value, in rank order (just [value] without a process group)."""
+def all_gather_object(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's value in rank order, over `group` (all ranks by default; just [value] without a process group)."""
     import torch.distributed as dist
 
-    if not is_initialized() or dist.get_world_size() == 1:
+    if not is_initialized() or dist.get_world_size(group=group) == 1:
         return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
+    gathered: list[Any] = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(gathered, value, group=group)
     return gathered
 
 
@@ -175,37 +177,31 @@ def sum_over_ranks(values: Any, group: Any = None) -> Any:
     return tensor.numpy()
 
 
-def check_agreement(value: Any, what: str) -> None:
-    """Raise on every rank, naming the ranks that differ from rank 0, if values disagree.
+def collectives(group: Any = None) -> Collectives:
+    """This process's rank and world size in `group` (all ranks by default), with its gather and sum.
 
-    Every rank takes part in the same gather, so a disagreement is an error
-    everywhere instead of a hang later on.
+    What the stages are given instead of asking torch.distributed themselves.
+    Gather and sum span `group`: with model parallelism, pass the data-parallel group.
     """
-    values = all_gather_object(value)
-    differing = [rank for rank, other in enumerate(values) if other != values[0]]
-    if differing:
-        detail = ", ".join(f"rank {rank}: {values[rank]!r}" for rank in [0] + differing)
-        raise RuntimeError(
-            f"ranks disagree on the {what}: ranks {differing} differ from rank 0 ({detail}). "
-            "Every rank must see the same data, config and analysis directory."
-        )
+    import functools
+
+    import torch.distributed as dist
+
+    if not is_initialized():
+        return LOCAL
+    return Collectives(rank=int(dist.get_rank(group=group)), world_size=int(dist.get_world_size(group=group)),
+                       gather=functools.partial(all_gather_object, group=group),
+                       sum=functools.partial(sum_over_ranks, group=group))
+
+
+def check_agreement(value: Any, what: str) -> None:
+    """Raise on every rank, naming the ranks that differ from rank 0, if values disagree (all ranks)."""
+    collectives().check_agreement(value, what)
 
 
 def agree_on_error(error: Optional[BaseException], what: str) -> None:
-    """Collective check: if any rank hit an error, raise a clear one on every rank.
-
-    Call it on every rank, passing the local exception (or None): ranks that
-    succeeded then fail too instead of waiting forever for the failed one.
-    """
-    messages = all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-    failed = {rank: message for rank, message in enumerate(messages) if message is not None}
-    if not failed:
-        return
-    if error is not None and len(failed) == 1:
-        raise error
-    summary = "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
-    exc_type = type(error) if error is not None and isinstance(error, (ValueError, FileNotFoundError)) else RuntimeError
-    raise exc_type(f"{what} failed on ranks {sorted(failed)}: {summary}")
+    """Collective check over all ranks: if any rank hit an error, raise a clear one on every rank."""
+    collectives().agree_on_error(error, what)
 
 
 SHARED_CHECK_PREFIX = ".ds_cluster_shared_check."

@@ -20,7 +20,8 @@ import numpy as np
 
 from ds_cluster.allocation import Allocation, allocation_strategy, cluster_members, epoch_schedule
 from ds_cluster.batching import BatchShape
-from ds_cluster.clustering import ClusterResult, cluster_features, cluster_from_labels, validate_features
+from ds_cluster.clustering import (ClusterResult, cluster_by_config, cluster_from_labels, spread_to_all,
+                                   validate_features)
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.fileio import replace_dir, staging_dir, write_json_atomic, write_npy_atomic
 from ds_cluster.selection import cluster_budgets, cluster_spreads, sample_weights, select_in_clusters
@@ -126,7 +127,7 @@ class Plan:
             array = np.ascontiguousarray(getattr(self, name))
             digest.update(name.encode())
             digest.update(str(array.dtype).encode())
-            digest.update(array.tobytes())
+            digest.update(array)  # the buffer itself: tobytes() copied N-sized arrays (0.1 s, 80 MB at N = 10M)
         digest.update(json.dumps(self._scalars(), sort_keys=True, default=str).encode())
         return digest.hexdigest()[:16]
 
@@ -249,9 +250,10 @@ def build_plan(
     if config.selection in ("norm", "kcenter") and points is None and has_geometry:
         raise ValueError(f"selection '{config.selection}' needs the features themselves, and there are none "
                          "(no features.npy in the analysis); use 'peripheral', 'spread' or 'random'")
-    clusters, kept_rows = _clusters(points, labels, exclude, num_samples, config, world_size, distances, centroids)
+    clusters, participating_rows = _clusters(points, labels, exclude, num_samples, config, world_size, distances,
+                                             centroids)
     num_clusters = clusters.num_clusters
-    full_labels, distances = _spread_to_all(clusters, kept_rows, num_samples)
+    full_labels, distances = spread_to_all(clusters, participating_rows, num_samples)
     cluster_sizes = np.bincount(clusters.labels, minlength=num_clusters).astype(np.int64)
     kept_sizes = cluster_budgets(
         cluster_sizes, config.budget_mode, config.budget_ratio, config.budget_samples,
@@ -263,7 +265,8 @@ def build_plan(
     norms = None
     if has_geometry and selection == "norm":
         norms = np.full(num_samples, np.nan)
-        norms[kept_rows] = _row_norms(points if kept_rows.size == num_samples else points[kept_rows])
+        norms[participating_rows] = _row_norms(points if participating_rows.size == num_samples
+                                               else points[participating_rows])
     selected = select_in_clusters(full_labels, kept_sizes, selection,  # type: ignore[arg-type]
                                   distances=distances if has_geometry else None, norms=norms,
                                   features=points if selection == "kcenter" else None, seed=config.seed)
@@ -293,27 +296,23 @@ def _clusters(points: Optional[np.ndarray], labels: Optional[np.ndarray], exclud
         included &= ~np.asarray(exclude, dtype=bool)
     if labels is not None:
         included &= np.asarray(labels) >= 0
-    kept_rows = np.flatnonzero(included)
-    if kept_rows.size == 0:
+    participating_rows = np.flatnonzero(included)
+    if participating_rows.size == 0:
         raise ValueError("every sample is excluded (no features or label -1): there is nothing to train on")
-    everyone = kept_rows.size == num_samples
+    everyone = participating_rows.size == num_samples
     # Avoid copying (N, d) features when nothing is left out.
-    included_points = None if points is None else (points if everyone else points[kept_rows])
+    included_points = None if points is None else (points if everyone else points[participating_rows])
     if labels is not None:
         label_array = np.asarray(labels, dtype=np.int64)
-        taking_part = label_array if everyone else label_array[kept_rows]
+        taking_part = label_array if everyone else label_array[participating_rows]
         compact, num_clusters = _compact_labels(taking_part)
         if distances is None:
-            return cluster_from_labels(included_points, compact, num_clusters), kept_rows
+            return cluster_from_labels(included_points, compact, num_clusters), participating_rows
         given = np.asarray(distances, dtype=np.float64)
         centres = (np.asarray(centroids, dtype=np.float32)[np.flatnonzero(np.bincount(taking_part) > 0)]
                    if centroids is not None else np.zeros((num_clusters, 0), np.float32))
-        return ClusterResult(compact, centres, given if everyone else given[kept_rows]), kept_rows
-    clusters = cluster_features(
-        included_points, num_clusters=config.resolved_num_clusters(world_size), n_init=config.kmeans_n_init,
-        max_iter=config.kmeans_max_iter, capacity_factor=config.capacity_factor,
-        capacity_neighbors=config.capacity_neighbors, backend=config.backend, seed=config.seed)
-    return clusters, kept_rows
+        return ClusterResult(compact, centres, given if everyone else given[participating_rows]), participating_rows
+    return cluster_by_config(included_points, config, world_size), participating_rows
 
 
 def _check_inputs(features: Optional[np.ndarray], labels: Optional[np.ndarray],
@@ -355,13 +354,3 @@ def _row_norms(points: np.ndarray, chunk: int = 65536) -> np.ndarray:
         block = points[start:start + chunk].astype(np.float64)
         norms[start:start + chunk] = np.sqrt(np.einsum("ij,ij->i", block, block))
     return norms
-
-
-def _spread_to_all(clusters: ClusterResult, kept_rows: np.ndarray, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
-    if kept_rows.size == num_samples:
-        return clusters.labels, clusters.distances  # every sample takes part: nothing to spread
-    labels = np.full(num_samples, -1, dtype=np.int64)
-    labels[kept_rows] = clusters.labels
-    distances = np.zeros(num_samples, dtype=np.float64)
-    distances[kept_rows] = clusters.distances
-    return labels, distances

@@ -99,7 +99,7 @@ def plot_projection(plan: Plan, rows: np.ndarray, coords: np.ndarray, explained:
     return _save(figure, path)
 
 
-def plot_family_heatmap(names: list[str], counts: np.ndarray, purity: float, path: Path) -> str:
+def plot_category_heatmap(names: list[str], counts: np.ndarray, purity: float, path: Path) -> str:
     num_clusters = counts.shape[0]
     figure = _new_figure(max(5, 0.6 * len(names) + 2), max(3, 0.35 * num_clusters + 1.5))
     axes = figure.subplots()
@@ -107,7 +107,7 @@ def plot_family_heatmap(names: list[str], counts: np.ndarray, purity: float, pat
     axes.set_xticks(np.arange(len(names)), labels=names, rotation=45, ha="right")
     axes.set_yticks(np.arange(num_clusters))
     axes.set_ylabel("cluster")
-    axes.set_title(f"clusters against families (purity {purity:.3f})")
+    axes.set_title(f"clusters against categories (purity {purity:.3f})")
     if counts.size <= 400:
         threshold = counts.max() / 2 if counts.size else 0
         for (row, col), value in np.ndenumerate(counts):

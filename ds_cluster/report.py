@@ -1,7 +1,7 @@
 """What users look at: a plan's summary, its coverage, a finished run's time and loss, and an HTML report.
 
 Reads only what the other stages wrote (a Plan, an analysis's features and
-the data's families, per-rank traces and summaries); computes nothing of the
+the data's categories, per-rank traces and summaries); computes nothing of the
 plan again. `write_report` takes plain data and writes a self-contained
 folder: index.html and PNG plots (matplotlib, Agg), relative links only, no
 script, no external resource.
@@ -19,7 +19,7 @@ import numpy as np
 from ds_cluster.clustering import category_counts, purity
 from ds_cluster.fileio import write_text_atomic
 from ds_cluster.plan import Plan
-from ds_cluster.plots import (plot_cluster_sizes, plot_family_heatmap, plot_projection, plot_rank_step_heatmap,
+from ds_cluster.plots import (plot_cluster_sizes, plot_category_heatmap, plot_projection, plot_rank_step_heatmap,
                               plot_weights)
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def format_coverage(coverage: dict[str, Any], num_clusters: int) -> str:
             f"{coverage['clusters_per_rank_step_mean']:.2f}")
 
 
-# --------------------------------------------------------------------------- projections and families
+# --------------------------------------------------------------------------- projections and categories
 def pca_projection(features: np.ndarray, rows: np.ndarray, max_points: int = 4000,
                    seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """2-D PCA (scikit-learn) of a bounded random subsample of `rows` of `features`.
@@ -157,10 +157,10 @@ def pca_projection(features: np.ndarray, rows: np.ndarray, max_points: int = 400
     return rows, coords, explained
 
 
-def cluster_family_counts(labels: np.ndarray, families: Sequence[str],
+def cluster_category_counts(labels: np.ndarray, categories: Sequence[str],
                           num_clusters: int) -> tuple[list[str], np.ndarray, float]:
-    """Per cluster, how many samples of each family: (family names, counts (K, F), purity)."""
-    names, counts = category_counts(labels, families, num_clusters)
+    """Per cluster, how many samples of each category (a task family, say): (names, counts (K, F), purity)."""
+    names, counts = category_counts(labels, categories, num_clusters)
     return names, counts, purity(counts)
 
 
@@ -236,18 +236,18 @@ def _features_section(plan: Plan, features: Optional[np.ndarray], max_points: in
     return parts
 
 
-def _families_section(plan: Plan, families: Optional[Sequence[str]], out: Path) -> list[str]:
-    parts = ["<h2>Clusters and families</h2>"]
-    if families is None or len(families) != plan.num_samples or not any(families):
-        parts.append('<p class="note">The data has no family/category column: no cluster-versus-family table.</p>')
+def _categories_section(plan: Plan, categories: Optional[Sequence[str]], out: Path) -> list[str]:
+    parts = ["<h2>Clusters and categories</h2>"]
+    if categories is None or len(categories) != plan.num_samples or not any(categories):
+        parts.append('<p class="note">The data has no category (or family) column: no cluster-versus-category table.</p>')
         return parts
-    names, family_counts, purity_value = cluster_family_counts(plan.labels, families, plan.num_clusters)
-    parts.append(f"<p>Purity {purity_value:.3f}: the share of samples in their cluster's most common family.</p>")
-    parts.append(_figure(plot_family_heatmap(names, family_counts, purity_value, out / "families.png"),
-                         "heat map of clusters against families"))
-    majority = [names[int(row.argmax())] if row.sum() else "" for row in family_counts]
+    names, category_counts_, purity_value = cluster_category_counts(plan.labels, categories, plan.num_clusters)
+    parts.append(f"<p>Purity {purity_value:.3f}: the share of samples in their cluster's most common category.</p>")
+    parts.append(_figure(plot_category_heatmap(names, category_counts_, purity_value, out / "categories.png"),
+                         "heat map of clusters against categories"))
+    majority = [names[int(row.argmax())] if row.sum() else "" for row in category_counts_]
     parts.append(_table(["cluster", "majority", *names],
-                        [(c, majority[c], *family_counts[c].tolist()) for c in range(plan.num_clusters)], names=2))
+                        [(c, majority[c], *category_counts_[c].tolist()) for c in range(plan.num_clusters)], names=2))
     return parts
 
 
@@ -256,7 +256,7 @@ def write_report(
     plan: Plan,
     *,
     features: Optional[np.ndarray] = None,
-    families: Optional[Sequence[str]] = None,
+    categories: Optional[Sequence[str]] = None,
     title: str = "ds_cluster plan report",
     sources: Optional[dict[str, str]] = None,
     max_projection_points: int = 4000,
@@ -264,7 +264,7 @@ def write_report(
     """Write `out_dir/index.html` and its PNG plots for a plan; returns the HTML's path.
 
     features: the analysis's (N, d) features, for the 2-D projection (skipped when None);
-    families: a family/category per sample (N), for the cluster-versus-family table
+    categories: a category per sample (N; a task family, say), for the cluster-versus-category table
     (skipped when None); sources: name -> value lines shown at the top (config, analysis...).
     """
     out = Path(out_dir)
@@ -278,7 +278,7 @@ def write_report(
                                                 out / "rank_step_heatmap.png"),
                          "heat map of cluster counts per rank per step"))
     parts += _features_section(plan, features, max_projection_points, out)
-    parts += _families_section(plan, families, out)
+    parts += _categories_section(plan, categories, out)
     document = ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
                 f"<title>{html.escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
                 + "\n".join(parts) + "\n</body>\n</html>\n")

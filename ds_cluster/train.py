@@ -44,7 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--deepspeed", required=True, help="DeepSpeed config (JSON or HJSON) with a cluster_sampling block")
     parser.add_argument("--model", required=True, help="a local Hugging Face causal-LM checkpoint folder")
     parser.add_argument("--data", required=True,
-                        help="Alpaca-style JSONL (instruction/input/output) or a datasets save_to_disk folder")
+                        help="records as JSONL (.jsonl or .jsonl.gz) or a datasets save_to_disk folder: Alpaca "
+                             "(instruction/input/output), chat (messages, or ShareGPT conversations) or "
+                             "prompt/completion; docs/data.md")
     parser.add_argument("--analysis", help="analysis directory (overrides cluster_sampling.analysis_path)")
     parser.add_argument("--output-dir", default="runs/train", help="checkpoints, plan, trace and summary go here")
     parser.add_argument("--epochs", type=int, default=1)
@@ -216,7 +218,7 @@ def main(argv=None) -> int:
     if args.save_model:
         save_hf_model(engine, tokenizer, Path(args.save_model), rank)
     summary = {"rank": rank, "steps": engine.global_steps, "micro_steps": len(losses), "train_seconds": elapsed,
-               "train_cpu_seconds": cpu_elapsed, "selection": getattr(loader, "selection", {}),
+               "train_cpu_seconds": cpu_elapsed, "analysis_timings": getattr(loader, "analysis_timings", {}),
                "first_losses": losses[:4], "last_losses": losses[-4:], "parameter_digest": digest,
                "learning_rate": engine.get_lr()[0] if engine.get_lr() else None}
     write_json_atomic(output / f"summary_rank{rank}.json", summary)

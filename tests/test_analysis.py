@@ -110,7 +110,7 @@ def _check_analysis(out: Path, families: list[str], kind: str, dim: int, world_s
     assert sum(summary["cluster_sizes"]) == NUM_RECORDS
     names, counts = category_counts(labels, families, world_size)
     assert summary["purity"] == pytest.approx(purity(counts))
-    assert summary["cluster_families"] == [{n: int(c) for n, c in zip(names, row) if c} for row in counts]
+    assert summary["cluster_categories"] == [{n: int(c) for n, c in zip(names, row) if c} for row in counts]
     assert set(summary["timings_s"]) >= {"extract", "cluster", "total"}
     assert manifest["kind"] == kind and manifest["dim"] == dim and manifest["seed"] == 5
     assert manifest["model_fingerprint"] and manifest["dataset_fingerprint"]

@@ -22,8 +22,8 @@ import pytest
 from ds_cluster.batching import check_batch_arithmetic
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.ds_config import read_ds_config
-from ds_cluster.integrations.deepspeed import _initialize, check_no_curriculum
-from ds_cluster.integrations.plan_setup import read_plan_inputs
+from ds_cluster.integrations.deepspeed import _initialize
+from ds_cluster.integrations.plan_setup import check_no_curriculum, read_plan_inputs
 from ds_cluster.plan import build_plan
 from tests.launching import BIN, REPO, job_env, run_deepspeed
 from tests.training import train_args

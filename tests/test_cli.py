@@ -116,8 +116,8 @@ def test_report_writes_the_page_with_a_family_table(analysis: Path, tmp_path: Pa
     index = tmp_path / "report" / "index.html"
     assert f"report: {index}" in capsys.readouterr().out
     page = index.read_text()
-    assert "Purity" in page and "families.png" in page and "projection.png" in page
-    assert (tmp_path / "report" / "families.png").stat().st_size > 0
+    assert "Purity" in page and "categories.png" in page and "projection.png" in page
+    assert (tmp_path / "report" / "categories.png").stat().st_size > 0
 
 
 def dry_run(capsys, *args: str) -> str:

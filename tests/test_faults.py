@@ -199,11 +199,11 @@ def test_selection_in_the_training_job_resumes_after_a_kill_and_is_reused(small_
     check(run_deepspeed(job(tmp_path / "first"), timeout=300))
     summary = json.loads((tmp_path / "first" / "summary_rank0.json").read_text())
     analysis_summary = json.loads((analysis / "summary.json").read_text())
-    assert summary["selection"]["wall"] > 0 and summary["selection"]["extract"] > 0
+    assert summary["analysis_timings"]["wall"] > 0 and summary["analysis_timings"]["extract"] > 0
     # The finished shard is read back, not computed again.
     assert analysis_summary["reused_shards"] == [0] and analysis_summary["computed_shards"] == []
     assert Plan.load(tmp_path / "first" / "plan").num_kept < Plan.load(tmp_path / "first" / "plan").num_samples
 
     check(run_deepspeed(job(tmp_path / "second"), timeout=300))
-    assert json.loads((tmp_path / "second" / "summary_rank0.json").read_text())["selection"] == {}
+    assert json.loads((tmp_path / "second" / "summary_rank0.json").read_text())["analysis_timings"] == {}
     assert Plan.load(tmp_path / "second" / "plan").fingerprint() == Plan.load(tmp_path / "first" / "plan").fingerprint()

@@ -10,7 +10,8 @@ from ds_cluster import ClusterSamplingConfig, Plan, build_plan
 from ds_cluster.analysis_dir import AnalysisDir
 from ds_cluster.integrations.hf import SAMPLER_STATE_FILE
 from tests.launching import REPO, check, run_deepspeed, shm_buffers
-from tests.training import assert_step_is_the_reference_gradient, read_trace, write_gradient_job
+from tests.training import (assert_step_is_the_reference_gradient, assert_trainer_follows_plan, read_trace,
+                            write_gradient_job)
 
 WORKER = REPO / "tests" / "workers" / "hf_trainer_worker.py"
 WORLD = 2
@@ -66,18 +67,8 @@ def test_a_trainer_job_leaves_no_shared_memory_behind(uninterrupted_run: Path):
 @pytest.mark.integration
 def test_each_rank_trains_on_exactly_its_plan_batches(uninterrupted_run: Path, expected_plan: Plan):
     assert (uninterrupted_run / "plan_fingerprint.txt").read_text() == expected_plan.fingerprint()
-    accumulation = expected_plan.gradient_accumulation_steps
-    micro_per_epoch = expected_plan.steps_per_epoch * accumulation
     assert expected_plan.steps_per_epoch < MAX_STEPS, "the run should cross an epoch boundary"
-    schedules = {epoch: expected_plan.schedule(epoch) for epoch in range(MAX_STEPS // expected_plan.steps_per_epoch + 1)}
-    for rank in range(WORLD):
-        trace = read_trace(uninterrupted_run, rank)
-        assert len(trace) == MAX_STEPS * accumulation, f"rank {rank} trained {len(trace)} micro-batches"
-        for number, record in enumerate(trace):
-            epoch, in_epoch = divmod(number, micro_per_epoch)
-            step, micro = divmod(in_epoch, accumulation)
-            assert record["indices"] == schedules[epoch][step, rank, micro].tolist(), (rank, number)
-            assert record["step"] == number // accumulation
+    assert_trainer_follows_plan(uninterrupted_run, expected_plan, MAX_STEPS, WORLD)
 
 
 @pytest.mark.integration

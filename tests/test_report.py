@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ds_cluster import ClusterSamplingConfig, Plan, build_plan
-from ds_cluster.report import (cluster_counts_per_rank_step, cluster_family_counts, pca_projection,
+from ds_cluster.report import (cluster_counts_per_rank_step, cluster_category_counts, pca_projection,
                                schedule_coverage, write_report)
 
 FAMILIES = ("add", "sort", "reverse")
@@ -85,10 +85,10 @@ def test_pca_projection_is_deterministic_bounded_and_separates_blobs(blobs, plan
     assert (nearest == labels).mean() > 0.95
 
 
-def test_cluster_family_counts_and_purity():
+def test_cluster_category_counts_and_purity():
     labels = np.array([0, 0, 0, 1, 1, -1])
     families = ["a", "a", "b", "b", "b", "c"]
-    names, counts, purity = cluster_family_counts(labels, families, num_clusters=2)
+    names, counts, purity = cluster_category_counts(labels, families, num_clusters=2)
     assert names == ["a", "b"]  # "c" is only on a left-out sample
     assert counts.tolist() == [[2, 1], [0, 2]]
     assert purity == pytest.approx(4 / 5)
@@ -100,7 +100,7 @@ def image_sources(page: str) -> list[str]:
 
 def test_report_folder_is_self_contained(tmp_path: Path, blobs, plan: Plan):
     features, families = blobs
-    index = write_report(tmp_path / "report", plan, features=features, families=families, title="t <&>")
+    index = write_report(tmp_path / "report", plan, features=features, categories=families, title="t <&>")
     page = index.read_text()
     sources = image_sources(page)
     assert len(sources) == 5, sources  # sizes, weights, heat map, projection, families
@@ -108,14 +108,14 @@ def test_report_folder_is_self_contained(tmp_path: Path, blobs, plan: Plan):
         assert "/" not in source and (index.parent / source).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "<script" not in page and "http" not in page
     assert "t &lt;&amp;&gt;" in page  # text is escaped
-    _, _, purity = cluster_family_counts(plan.labels, families, plan.num_clusters)
+    _, _, purity = cluster_category_counts(plan.labels, families, plan.num_clusters)
     assert purity > 0.95 and f"Purity {purity:.3f}" in page  # blobs are families, bar a stray and the cap
 
 
 def test_report_without_features_or_families_says_so(tmp_path: Path, plan: Plan):
     page = write_report(tmp_path, plan).read_text()
     assert len(image_sources(page)) == 3
-    assert "no projection" in page and "no cluster-versus-family table" in page
+    assert "no projection" in page and "no cluster-versus-category table" in page
 
 
 # --------------------------------------------------------------------------- a real browser
@@ -172,7 +172,7 @@ def console_messages(stderr: str) -> list[str]:
 @pytest.mark.browser
 def test_report_renders_in_headless_chromium(chromium: str, tmp_path: Path, blobs, plan: Plan):
     features, families = blobs
-    index = write_report(tmp_path / "report", plan, features=features, families=families)
+    index = write_report(tmp_path / "report", plan, features=features, categories=families)
     page = index.read_text()
     probe = index.parent / "probe.html"
     probe.write_text(page.replace("<head>", "<head>\n" + PROBE_SCRIPT, 1))

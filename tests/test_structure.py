@@ -56,3 +56,42 @@ def test_no_docstring_cites_a_file_outside_the_repository():
     # Design notes the code cites live in docs/, in the repository.
     for path in _package_files():
         assert "DESIGN.md" not in path.read_text(), path
+
+
+# The two ends docs/design.md names: only these files may touch DeepSpeed or torch.distributed.
+ENDS = {"ds_cluster/integrations/deepspeed.py", "ds_cluster/integrations/hf.py", "ds_cluster/integrations/trl.py",
+        "ds_cluster/integrations/plan_setup.py", "ds_cluster/distributed.py", "ds_cluster/features/extract.py",
+        "ds_cluster/features/model_info.py", "ds_cluster/features/feature_model.py", "ds_cluster/train.py",
+        "ds_cluster/cli/analyze.py", "ds_cluster/cli/train.py"}
+
+
+def _touches_the_ends(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "deepspeed" or
+                                                a.name.startswith("torch.distributed") for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module and (
+                node.module.split(".")[0] == "deepspeed" or node.module.startswith("torch.distributed")
+                or (node.module == "torch" and any(a.name == "distributed" for a in node.names))):
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "distributed" and \
+                isinstance(node.value, ast.Name) and node.value.id == "torch":
+            return True
+    return False
+
+
+def test_only_the_two_ends_touch_deepspeed_and_torch_distributed():
+    touching = {str(path.relative_to(REPO)) for path in _package_files()
+                if not str(path.relative_to(REPO)).startswith("ds_cluster/toy/") and _touches_the_ends(path)}
+    assert touching <= ENDS, sorted(touching - ENDS)
+    design = (REPO / "docs" / "design.md").read_text()
+    for path in ENDS:
+        assert path.removeprefix("ds_cluster/") in design, f"docs/design.md does not name {path}"
+
+
+def test_the_stages_take_their_rank_instead_of_reading_it():
+    # Rank and world size come in as a Collectives; the stages never ask the process group.
+    for name in ("analysis.py", "features/extract.py", "clustering_sharded.py", "plan.py", "selection.py",
+                 "allocation.py", "clustering.py"):
+        source = (PACKAGE / name).read_text()
+        assert "get_rank(" not in source and "get_world_size(" not in source, name

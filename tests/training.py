@@ -121,3 +121,19 @@ def assert_step_is_the_reference_gradient(root: Path, reduction: str) -> None:
         ((sums * weights).sum() / counts.sum()).backward()
     for name, param in model.named_parameters():
         assert np.allclose(delta[name], param.grad.numpy(), rtol=0, atol=1e-5), name
+
+
+def assert_trainer_follows_plan(out: Path, plan: Plan, max_steps: int, world: int = 2) -> None:
+    """A Trainer run's traces (one record per micro-batch) are each rank's plan batches, step by step,
+    across epoch boundaries."""
+    accumulation = plan.gradient_accumulation_steps
+    micro_per_epoch = plan.steps_per_epoch * accumulation
+    schedules = {epoch: plan.schedule(epoch) for epoch in range(max_steps // plan.steps_per_epoch + 1)}
+    for rank in range(world):
+        trace = read_trace(out, rank)
+        assert len(trace) == max_steps * accumulation, f"rank {rank} trained {len(trace)} micro-batches"
+        for number, record in enumerate(trace):
+            epoch, in_epoch = divmod(number, micro_per_epoch)
+            step, micro = divmod(in_epoch, accumulation)
+            assert record["indices"] == schedules[epoch][step, rank, micro].tolist(), (rank, number)
+            assert record["step"] == number // accumulation

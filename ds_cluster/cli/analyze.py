@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from ds_cluster.cli.common import FORMATTER, add_launcher_options, input_error, logger
 
@@ -36,8 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", required=True, metavar="PATH",
                         help="a local Hugging Face causal-LM checkpoint folder (config, weights, tokenizer)")
     parser.add_argument("--data", required=True, metavar="DATA",
-                        help="Alpaca-style JSONL file (instruction, input, output[, family]) or a "
-                             "datasets save_to_disk folder")
+                        help="records as JSONL (.jsonl or .jsonl.gz) or a datasets save_to_disk folder: Alpaca "
+                             "(instruction, input, output[, category]), chat (messages or conversations) or "
+                             "prompt/completion; docs/data.md")
     parser.add_argument("--out", required=True, metavar="DIR", help="analysis directory to write (replaced atomically)")
     parser.add_argument("--kind", choices=("proxy", "lm_head"), default=None,
                         help="feature: 'proxy' = mean (p_t - 1) h_t (the paper's, d = hidden size), 'lm_head' = "
@@ -45,6 +47,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "feature_kind)")
     parser.add_argument("--dim", type=int, default=None,
                         help="projected dimension for --kind lm_head (default: config feature_dim, else 1024)")
+    parser.add_argument("--feature-model", default=None, metavar="PATH",
+                        help="a checkpoint folder used only for the features, with its own tokenizer (default: the "
+                             "config's feature_model, else --model itself); --model then only gives the tokenizer "
+                             "of the data the analysis is for")
     parser.add_argument("--batch-size", type=int, default=8, help="samples per forward pass on each rank (default 8)")
     parser.add_argument("--max-length", type=int, default=None,
                         help="tokens per sample, longer ones are truncated (default: the dataset loader's, 96)")
@@ -62,31 +68,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    import deepspeed
-
-    from ds_cluster.analysis import analyze, forward_only_config
+    from ds_cluster.analysis import analyze
     from ds_cluster.config import ClusterSamplingConfig
-    from ds_cluster.dataset import DEFAULT_MAX_LENGTH, load_instruction_dataset
-    from ds_cluster.distributed import get_rank, init_distributed, shutdown
+    from ds_cluster.dataset import DEFAULT_MAX_LENGTH
+    from ds_cluster.distributed import collectives, get_rank, init_distributed, shutdown
     from ds_cluster.ds_config import read_ds_config
     from ds_cluster.features.store import DEFAULT_SHARD_SIZE
-    from ds_cluster.models import load_model_and_tokenizer
 
     started = time.perf_counter()
     init_distributed()
     try:
         ds_config, source = read_ds_config(args.deepspeed)
         settings = ClusterSamplingConfig.from_ds_config(ds_config)
-        engine_config = forward_only_config(ds_config)
+        if args.feature_model:
+            settings.feature_model = args.feature_model
         max_length = args.max_length or DEFAULT_MAX_LENGTH
-        model, tokenizer = load_model_and_tokenizer(args.model, ds_config=engine_config)
-        dataset = load_instruction_dataset(args.data, tokenizer, max_length=max_length)
-        engine, *_ = deepspeed.initialize(model=model, config=engine_config)
+        engine, dataset, features_of = _engine_and_data(args, ds_config, settings, max_length)
         loaded = time.perf_counter()
-        summary = analyze(engine, dataset, args.out, settings, kind=args.kind, dim=args.dim,
+        summary = analyze(engine, features_of, args.out, settings, kind=args.kind, dim=args.dim,
                           batch_size=args.batch_size, store_dir=args.store, recompute=args.recompute,
                           shard_size=args.shard_size or DEFAULT_SHARD_SIZE, show_progress=not args.no_progress,
+                          analysis_of=dataset, collectives=collectives(),
                           provenance={"model": os.fspath(args.model), "data": os.fspath(args.data),
+                                      "feature_model": settings.feature_model,
                                       "max_length": max_length, "ds_config": source,
                                       "zero_stage": int((ds_config.get("zero_optimization") or {}).get("stage", 0))})
     except (ValueError, FileNotFoundError) as err:
@@ -101,3 +105,30 @@ def run(args: argparse.Namespace) -> int:
                     summary["dim"], summary["cluster_sizes"], purity, loaded - started,
                     time.perf_counter() - started)
     return 0
+
+
+def _engine_and_data(args: argparse.Namespace, ds_config: dict, settings: Any, max_length: int
+                     ) -> tuple[Any, Any, Any]:
+    """(forward-only engine, the data the analysis is for, the data the engine reads): the same data unless a
+    separate feature model re-encodes it with its own tokenizer."""
+    import deepspeed
+
+    from ds_cluster.analysis import forward_only_config
+    from ds_cluster.dataset import load_instruction_dataset
+    from ds_cluster.models import load_model_and_tokenizer
+
+    if not settings.feature_model:
+        engine_config = forward_only_config(ds_config)
+        model, tokenizer = load_model_and_tokenizer(args.model, ds_config=engine_config)
+        dataset = load_instruction_dataset(args.data, tokenizer, max_length=max_length)
+        engine, *_ = deepspeed.initialize(model=model, config=engine_config)
+        return engine, dataset, dataset
+    from transformers import AutoTokenizer
+
+    from ds_cluster.features.feature_model import feature_dataset, feature_engine
+
+    # The trained model's tokenizer only: the analysis is for the data as the training job tokenizes it.
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    dataset = load_instruction_dataset(args.data, tokenizer, max_length=max_length)
+    engine, feature_tokenizer = feature_engine(settings.feature_model, ds_config)
+    return engine, dataset, feature_dataset(dataset, feature_tokenizer, settings.feature_max_length)

@@ -16,8 +16,8 @@ examples:
 
 The folder holds index.html and PNG plots: cluster sizes against kept sizes, the weight
 distribution, the samples of each cluster per rank and step of epoch 0, a 2-D PCA projection of
-the features coloured by cluster, and, when the analysed data has a `family` column (the
-manifest's data path, or --data), clusters against families with their purity.
+the features coloured by cluster, and, when the analysed data has a `category` (or `family`)
+column (the manifest's data path, or --data), clusters against categories with their purity.
 """
 
 
@@ -30,15 +30,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_plan_inputs(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="folder for index.html and the PNG files")
     parser.add_argument("--data", default=None, metavar="DATA",
-                        help="records with a `family` field, one per analysed sample (default: the data path in "
+                        help="records with a `category` (or `family`) field, one per analysed sample (default: the data path in "
                              "the analysis's manifest.json)")
     parser.add_argument("--max-points", type=int, default=4000,
                         help="samples drawn for the 2-D projection (default 4000; a seeded random subset)")
     parser.set_defaults(handler=run)
 
 
-def read_families(analysis: Path, data: Optional[str], num_samples: int) -> Optional[list[str]]:
-    """The `family` of every analysed sample, or None when the data has none (or cannot be found)."""
+def read_categories(analysis: Path, data: Optional[str], num_samples: int) -> Optional[list[str]]:
+    """The category of every analysed sample (its `category`, else `family` field), or None when there is none."""
     from ds_cluster.analysis_dir import AnalysisDir
     from ds_cluster.dataset import read_records
 
@@ -47,14 +47,14 @@ def read_families(analysis: Path, data: Optional[str], num_samples: int) -> Opti
         data = manifest.get("data") if manifest else None
     if not data or not Path(data).exists():
         if data:
-            logger.warning("data %s not found: the report has no cluster-versus-family table", data)
+            logger.warning("data %s not found: the report has no cluster-versus-category table", data)
         return None
-    families = [str(record.get("family", "")) for record in read_records(data)]
-    if len(families) != num_samples:
-        logger.warning("%s has %d records but the analysis %d samples: no family table", data, len(families),
+    categories = [str(record.get("category", record.get("family", ""))) for record in read_records(data)]
+    if len(categories) != num_samples:
+        logger.warning("%s has %d records but the analysis %d samples: no category table", data, len(categories),
                        num_samples)
         return None
-    return families if any(families) else None
+    return categories if any(categories) else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,10 +63,10 @@ def run(args: argparse.Namespace) -> int:
     analysis = Path(args.analysis)
     try:
         plan, inputs = build_plan_from_args(args)
-        families = read_families(analysis, args.data, plan.num_samples)
+        categories = read_categories(analysis, args.data, plan.num_samples)
     except (ValueError, FileNotFoundError) as err:
         return input_error("report", err)
-    index = write_report(args.out, plan, features=inputs.features, families=families,
+    index = write_report(args.out, plan, features=inputs.features, categories=categories,
                          title=f"ds_cluster report: {analysis}",
                          sources={"analysis": str(analysis), "DeepSpeed config": str(args.deepspeed)},
                          max_projection_points=args.max_points)

@@ -18,22 +18,20 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from ds_cluster.dataset import dataset_fingerprint
-from ds_cluster.distributed import agree_on_error, all_gather_object, check_agreement, get_rank, get_world_size
-from ds_cluster.features.kinds import DEFAULT_CHUNK_SIZE, batch_features, normalize_rows
+from ds_cluster.collectives import LOCAL, Collectives
+from ds_cluster.features.kinds import DEFAULT_CHUNK_SIZE, FeatureKind, batch_features, feature_kind, normalize_rows
 from ds_cluster.features.model_info import find_output_layer, model_fingerprint, output_layer_shape, unwrap_model
-from ds_cluster.features.projection import KroneckerProjection, kronecker_projection
+from ds_cluster.features.projection import KroneckerProjection
 from ds_cluster.features.store import DEFAULT_SHARD_SIZE, FeatureStore, StoreManifest
 
 logger = logging.getLogger(__name__)
 
-FeatureKind = Literal["proxy", "lm_head"]
-DEFAULT_LM_HEAD_DIM = 1024
 
 
 @dataclass
@@ -93,7 +91,7 @@ def _full_weight(layer: torch.nn.Module) -> Iterator[tuple[torch.Tensor, Optiona
 
 
 def _batch_rows(engine: Any, model: torch.nn.Module, layer: torch.nn.Module, capture: _OutputLayerInput,
-                batch: dict[str, torch.Tensor], kind: str, projection: Optional[KroneckerProjection],
+                batch: dict[str, torch.Tensor], kind: FeatureKind, projection: Optional[KroneckerProjection],
                 chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward one batch through the engine, then the features of its samples (collective under ZeRO-3)."""
     device = _device_of(engine, model)
@@ -122,20 +120,6 @@ def _device_of(engine: Any, model: torch.nn.Module) -> torch.device:
 
 
 # --------------------------------------------------------------------------- the whole dataset
-def _resolve_dim(kind: str, dim: Optional[int], vocab: int, hidden: int) -> int:
-    if kind == "proxy":
-        if dim is not None and dim != hidden:
-            raise ValueError(f"proxy features have the hidden size ({hidden}) as dimension; got dim={dim}. "
-                             "Leave dim unset, or use kind='lm_head' for a projected gradient of chosen size.")
-        return hidden
-    if dim is None:
-        return min(DEFAULT_LM_HEAD_DIM, vocab * hidden)
-    if dim > vocab * hidden:
-        raise ValueError(f"dim={dim} is larger than the output-layer gradient it projects "
-                         f"({vocab} x {hidden} = {vocab * hidden} values); choose dim <= {vocab * hidden}")
-    return dim
-
-
 def _batches_of(shards: Sequence[int], bounds: Callable[[int], tuple[int, int]], batch_size: int) -> list[tuple[int, range]]:
     """(shard, indices) batches; batches never cross a shard, so a shard is done after its last batch."""
     batches = []
@@ -145,31 +129,32 @@ def _batches_of(shards: Sequence[int], bounds: Callable[[int], tuple[int, int]],
     return batches
 
 
-def _prepare_store(store: FeatureStore, manifest: StoreManifest, overwrite: bool, rank: int) -> list[int]:
+def _prepare_store(store: FeatureStore, manifest: StoreManifest, overwrite: bool, ranks: Collectives) -> list[int]:
     """Rank 0 creates or checks the store, every rank then checks it; returns the shards left to compute."""
     error: Optional[BaseException] = None
-    if rank == 0:
+    if ranks.rank == 0:
         try:
             store.prepare(manifest, overwrite=overwrite)
         except (ValueError, OSError) as err:
             error = err
-    agree_on_error(error, "preparing the feature store")
+    ranks.agree_on_error(error, "preparing the feature store")
     error = None
     try:
         store.check(manifest)
         pending = sorted(set(range(manifest.num_shards)) - set(store.finished_shards(manifest)))
     except (ValueError, OSError) as err:
         error, pending = err, []
-    agree_on_error(error, "opening the feature store")
-    check_agreement(pending, "feature-store shards left to compute (is the store on a filesystem every rank sees?)")
+    ranks.agree_on_error(error, "opening the feature store")
+    ranks.check_agreement(pending, "feature-store shards left to compute (is the store on a filesystem every rank sees?)")
     return pending
 
 
-def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, dim: Optional[int] = None,
+def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Optional[int] = None,
                    batch_size: int = 8, store: Union[None, str, Path, FeatureStore] = None, seed: int = 0,
                    normalize: bool = True, show_progress: bool = True, shard_size: int = DEFAULT_SHARD_SIZE,
                    overwrite: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, sharded: bool = False,
-                   on_shard_done: Optional[Callable[[int], None]] = None) -> ExtractionResult:
+                   on_shard_done: Optional[Callable[[int], None]] = None,
+                   collectives: Collectives = LOCAL) -> ExtractionResult:
     """extract_features with everything it found out: empty mask, shards computed and reused, timing.
 
     Collective: call on every rank with the same arguments. `chunk_size`
@@ -177,10 +162,10 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, d
     extra memory). `on_shard_done(shard)` is called after each shard this
     rank finished (tests use it to crash mid-run). `sharded`: every rank keeps
     only its own store shards (shard s on rank s mod W), never all N x d.
+    `collectives`: this rank among the ranks sharing the work (`LOCAL` for
+    one process; `ds_cluster.distributed.collectives()` in a job).
     """
-    if kind not in ("proxy", "lm_head"):
-        raise ValueError(f"unknown feature kind {kind!r}; use 'proxy' (the paper's feature) or 'lm_head' (the "
-                         "exact output-layer gradient, projected)")
+    kind_object = feature_kind(kind)
     if batch_size < 1 or shard_size < 1:
         raise ValueError(f"batch_size and shard_size must be >= 1, got {batch_size} and {shard_size}")
     if len(dataset) == 0:
@@ -191,33 +176,33 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, d
     model = unwrap_model(engine)
     layer = find_output_layer(model)
     vocab, hidden = output_layer_shape(layer)
-    dim = _resolve_dim(kind, dim, vocab, hidden)
-    projection = (kronecker_projection(dim, vocab, hidden, seed).to(_device_of(engine, model))
-                  if kind == "lm_head" else None)
+    dim = kind_object.resolve_dim(dim, vocab, hidden)
+    projection = kind_object.projection(dim, vocab, hidden, seed)
+    projection = projection.to(_device_of(engine, model)) if projection is not None else None
     feature_store = FeatureStore(store) if isinstance(store, (str, Path)) else store
     manifest = StoreManifest(kind=kind, dim=dim, seed=seed, normalize=normalize,
-                             model_fingerprint=model_fingerprint(engine) if feature_store else "",
+                             model_fingerprint=model_fingerprint(engine, collectives) if feature_store else "",
                              dataset_fingerprint=dataset_fingerprint(dataset) if feature_store else "",
                              num_samples=len(dataset), shard_size=shard_size)
-    pending = (_prepare_store(feature_store, manifest, overwrite, get_rank()) if feature_store is not None
+    pending = (_prepare_store(feature_store, manifest, overwrite, collectives) if feature_store is not None
                else list(range(manifest.num_shards)))
 
     def rows_of(batch: dict[str, torch.Tensor], capture: _OutputLayerInput) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, empty = _batch_rows(engine, model, layer, capture, batch, kind, projection, chunk_size)
+        rows, empty = _batch_rows(engine, model, layer, capture, batch, kind_object, projection, chunk_size)
         return (normalize_rows(rows) if normalize else rows), empty
 
     computed = _compute_shards(model, layer, dataset, manifest, pending, batch_size, rows_of, feature_store,
-                               show_progress, on_shard_done)
+                               show_progress, on_shard_done, collectives)
     rows = None
     if sharded:
-        all_gather_object(None)  # every rank has written its shards
-        features, rows, empty_mask = _own_shards(manifest, feature_store)
+        collectives.barrier()  # every rank has written its shards
+        features, rows, empty_mask = _own_shards(manifest, feature_store, collectives)
     else:
-        features, empty_mask = _assemble(manifest, feature_store, computed)
+        features, empty_mask = _assemble(manifest, feature_store, computed, collectives)
     if empty_mask.any():
         logger.warning("%d of %d samples have no response tokens (all labels -100): their feature rows are zero",
                        int(empty_mask.sum()), len(dataset))
-    computed_shards = sorted(shard for shards in all_gather_object(sorted(computed)) for shard in shards)
+    computed_shards = sorted(shard for shards in collectives.gather(sorted(computed)) for shard in shards)
     return ExtractionResult(features=features, empty_mask=empty_mask, kind=kind, dim=dim,
                             computed_shards=computed_shards,
                             reused_shards=sorted(set(range(manifest.num_shards)) - set(pending)),
@@ -225,15 +210,16 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, d
                             manifest=manifest if feature_store is not None else None, rows=rows)
 
 
-def _own_shards(manifest: StoreManifest, store: FeatureStore) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _own_shards(manifest: StoreManifest, store: FeatureStore, collectives: Collectives
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """This rank's shards (s mod W = rank) read back from the store, their global rows, and the whole empty mask."""
-    rank, world_size = get_rank(), get_world_size()
+    rank, world_size = collectives.rank, collectives.world_size
     mine = list(range(rank, manifest.num_shards, world_size))
     parts = [store.read_shard(manifest, shard) for shard in mine]
     features = (np.concatenate([rows for rows, _ in parts]) if parts
                 else np.zeros((0, manifest.dim), dtype=np.float32))
     rows = np.concatenate([np.arange(*manifest.shard_bounds(s)) for s in mine]) if mine else np.zeros(0, np.int64)
-    empty = [index for part in all_gather_object([m.empty for _, m in parts]) for markers in part for index in markers]
+    empty = [index for part in collectives.gather([m.empty for _, m in parts]) for markers in part for index in markers]
     empty_mask = np.zeros(manifest.num_samples, dtype=bool)
     empty_mask[np.asarray(empty, dtype=np.int64)] = True
     return features, rows.astype(np.int64), empty_mask
@@ -242,10 +228,11 @@ def _own_shards(manifest: StoreManifest, store: FeatureStore) -> tuple[np.ndarra
 def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Sequence[dict],
                     manifest: StoreManifest, pending: list[int], batch_size: int, rows_of: Callable,
                     feature_store: Optional[FeatureStore], show_progress: bool,
-                    on_shard_done: Optional[Callable[[int], None]]) -> dict[int, tuple[np.ndarray, list[int]]]:
+                    on_shard_done: Optional[Callable[[int], None]], collectives: Collectives
+                    ) -> dict[int, tuple[np.ndarray, list[int]]]:
     """This rank's share of the pending shards, written to the store as each one completes."""
-    rank, world_size = get_rank(), get_world_size()
-    run_id = all_gather_object(uuid.uuid4().hex)[0]
+    rank, world_size = collectives.rank, collectives.world_size
+    run_id = collectives.gather(uuid.uuid4().hex)[0]
     # Shards are dealt round-robin; every rank runs as many forwards as the busiest one.
     shares = [_batches_of(pending[r::world_size], manifest.shard_bounds, batch_size) for r in range(world_size)]
     mine = shares[rank]
@@ -285,15 +272,16 @@ def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Seq
 
 
 def _assemble(manifest: StoreManifest, feature_store: Optional[FeatureStore],
-              computed: dict[int, tuple[np.ndarray, list[int]]]) -> tuple[np.ndarray, np.ndarray]:
+              computed: dict[int, tuple[np.ndarray, list[int]]], collectives: Collectives
+              ) -> tuple[np.ndarray, np.ndarray]:
     """Every rank's shards as one (N, d) array and empty mask (collective)."""
     if feature_store is not None:
         # Every rank wrote its shards before this gather: read them all back, validated.
-        all_gather_object(None)
+        collectives.barrier()
         return feature_store.assemble(manifest)
     features = np.zeros((manifest.num_samples, manifest.dim), dtype=np.float32)
     empty_mask = np.zeros(manifest.num_samples, dtype=bool)
-    for part in all_gather_object(computed):
+    for part in collectives.gather(computed):
         for shard, (rows_np, empty_idx) in part.items():
             start, stop = manifest.shard_bounds(shard)
             features[start:stop] = rows_np
@@ -301,7 +289,7 @@ def _assemble(manifest: StoreManifest, feature_store: Optional[FeatureStore],
     return features, empty_mask
 
 
-def extract_features(engine: Any, dataset: Sequence[dict], *, kind: FeatureKind, dim: Optional[int] = None,
+def extract_features(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Optional[int] = None,
                      batch_size: int = 8, store: Union[None, str, Path, FeatureStore] = None, seed: int = 0,
                      normalize: bool = True, show_progress: bool = True, **options: Any) -> np.ndarray:
     """Per-sample features (N, d) float32, identical on every rank; see run_extraction for the options."""

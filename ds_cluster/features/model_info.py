@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ds_cluster.distributed import all_gather_object
+from ds_cluster.collectives import LOCAL, Collectives
 
 # Config keys that name where or how a model was loaded, not what it computes.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
@@ -69,13 +69,13 @@ def _parameter_checksum(param: torch.Tensor) -> int:
     return int(values.view(bits).to(torch.int64).sum().item()) % _CHECKSUM_MODULUS
 
 
-def model_fingerprint(engine: Any) -> str:
+def model_fingerprint(engine: Any, collectives: Collectives = LOCAL) -> str:
     """Hash of the model config, parameter names/shapes/dtypes and an exact checksum of every parameter's values.
 
     Identical across ZeRO stages and world sizes for the same weights: under
     ZeRO-3 each rank sums the bit patterns of its own partition and the sums
-    are added across ranks, so no parameter is gathered. Collective: call on
-    every rank.
+    are added across ranks (`collectives`), so no parameter is gathered.
+    Collective: call on every rank.
     """
     model = unwrap_model(engine)
     config = getattr(model, "config", None)
@@ -88,7 +88,7 @@ def model_fingerprint(engine: Any) -> str:
         checksums.append(_parameter_checksum(param))
     partitioned = any(hasattr(param, "ds_tensor") for param in model.parameters())
     if partitioned:
-        per_rank = all_gather_object(checksums)
+        per_rank = collectives.gather(checksums)
         checksums = [sum(column) % _CHECKSUM_MODULUS for column in zip(*per_rank)]
     digest = hashlib.sha256()
     digest.update(type(model).__name__.encode())

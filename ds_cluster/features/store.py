@@ -203,15 +203,6 @@ class FeatureStore:
             finished.append(shard)
         return finished
 
-    def markers(self, manifest: StoreManifest) -> dict[int, ShardMarker]:
-        """Markers of the shards that have one (not validated against the rows)."""
-        found = {}
-        for shard in range(manifest.num_shards):
-            marker = self.read_marker(shard)
-            if marker is not None:
-                found[shard] = marker
-        return found
-
     def assemble(self, manifest: StoreManifest, shards: Optional[Iterable[int]] = None) -> tuple[np.ndarray, np.ndarray]:
         """(features N x d float32, empty_mask N bool) from all shards; ValueError if one is missing or corrupt."""
         features = np.zeros((manifest.num_samples, manifest.dim), dtype=np.float32)

@@ -19,12 +19,10 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from ds_cluster import distributed
-from ds_cluster.analysis_dir import PlanInputs
-from ds_cluster.batching import BatchShape, check_batch_arithmetic
+from ds_cluster.batching import BatchShape
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.ds_config import cluster_block, config_in_call, read_ds_config
 from ds_cluster.integrations import plan_setup
@@ -130,87 +128,28 @@ def _initialize(original: Callable, *args: Any, **kwargs: Any):
     collate_fn = arguments.pop("collate_fn", None)
     if arguments.get("dist_init_required") is not False:
         distributed.init_distributed()
-    inputs = _check_before_engine(cluster_config, config_dict, source, training_data,
-                                  has_mpu=arguments.get("mpu") is not None)
+    # Checked before the engine is built: a bad set-up fails in seconds, not after the model is sharded.
+    # With model parallelism (an mpu) the data-parallel size is not the world size: DeepSpeed checks it.
+    checked = plan_setup.check_cluster_setup(
+        cluster_config, training_data, ds_config=config_dict, source=source,
+        world_size=None if arguments.get("mpu") is not None else distributed.get_world_size())
 
     engine, optimizer, _, lr_scheduler = original(**arguments)
-    distributed.release_shared_memory_buffer()  # in case the process group was started by DeepSpeed itself
-    selection = {}
-    if inputs is None:
-        inputs, selection = _analyze_with_engine(engine, training_data, cluster_config)
     shape = BatchShape(engine.dp_world_size, engine.train_micro_batch_size_per_gpu(),
                        engine.gradient_accumulation_steps())
-    plan = plan_setup.agreed_plan(cluster_config, training_data, shape, inputs)
-    group = engine.mpu.get_data_parallel_group() if getattr(engine, "mpu", None) is not None \
-        else engine.data_parallel_group
-    loader = ClusterDataLoader(training_data, plan, _data_parallel_rank(engine), collate_fn=collate_fn,
-                               sum_over_ranks=functools.partial(distributed.sum_over_ranks, group=group))
+    loader = plan_setup.setup_cluster_loader(
+        cluster_config, training_data, rank=_data_parallel_rank(engine), group=_data_parallel_group(engine),
+        shape=shape, engine=engine, collate_fn=collate_fn, ds_config=config_dict, source=source, checked=checked,
+        computed_by="the training job (deepspeed.initialize)")
     engine.training_dataloader = loader
-    loader.selection = selection  # what computing the analysis in this job cost (empty when it was read)
     attach_checkpoint_state(engine, loader)
     return engine, optimizer, loader, lr_scheduler
 
 
-def _analyze_with_engine(engine: Any, training_data: Any, cluster_config: ClusterSamplingConfig
-                         ) -> tuple[PlanInputs, dict]:
-    """Selection in the training job itself: features by its own engine, k-means, the analysis folder written.
-
-    Collective. The feature store inside the folder makes a crashed job's rerun resume the extraction.
-    Returns the plan inputs and the timings (seconds) to report.
-    """
-    import time
-
-    from ds_cluster.analysis import analyze
-
-    started, cpu_started = time.perf_counter(), time.process_time()
-    summary = analyze(engine, training_data, cluster_config.analysis_path, cluster_config,
-                      batch_size=engine.train_micro_batch_size_per_gpu(), show_progress=distributed.get_rank() == 0,
-                      provenance={"computed_by": "the training job (deepspeed.initialize)"})
-    error: Optional[BaseException] = None
-    inputs = None
-    try:
-        inputs = plan_setup.read_plan_inputs(cluster_config, training_data)
-    except (ValueError, FileNotFoundError) as err:
-        error = err
-    distributed.agree_on_error(error, "reading the analysis just computed")
-    assert inputs is not None
-    timings = {name: float(value) for name, value in summary.get("timings_s", {}).items()}
-    timings.update(wall=time.perf_counter() - started, cpu=time.process_time() - cpu_started)
-    logger.info("ds_cluster: analysis computed in the training job in %.1f s (extraction %.1f s, clustering "
-                "%.1f s): %s", timings["wall"], timings.get("extract", 0.0), timings.get("cluster", 0.0),
-                cluster_config.analysis_path)
-    return inputs, timings
-
-
-def _check_before_engine(cluster_config: ClusterSamplingConfig, config_dict: dict, source: str, training_data: Any,
-                         has_mpu: bool) -> Optional[PlanInputs]:
-    """Collective: everything that can be checked before the engine exists, an error on every rank if any fails.
-
-    Returns the analysis's plan inputs, read and checked against the data, or
-    None when analysis_path holds no analysis yet (the job then computes it).
-    """
-    if cluster_config.analysis_path:
-        Path(cluster_config.analysis_path).absolute().parent.mkdir(parents=True, exist_ok=True)
-        # Ranks on other hosts read the analysis through a shared filesystem: a rank that cannot see
-        # it fails the start on every rank, naming its host, instead of training on something else.
-        distributed.check_shared_path(Path(cluster_config.analysis_path).absolute().parent,
-                                      "folder holding cluster_sampling.analysis_path")
-    error: Optional[BaseException] = None
-    inputs = None
-    try:
-        check_no_curriculum(config_dict, source)
-        if not has_mpu:  # with model parallelism the data-parallel size is not the world size
-            check_batch_arithmetic(config_dict, source, distributed.get_world_size())
-        plan_setup.check_training_data(training_data)
-        if plan_setup.analysis_of(cluster_config).exists():
-            inputs = plan_setup.read_plan_inputs(cluster_config, training_data)
-    except (ValueError, FileNotFoundError) as err:
-        error = err
-    distributed.agree_on_error(error, "cluster_sampling set-up")
-    plan_setup.check_same_training_data(training_data)
-    # Every rank must agree on whether the analysis exists (a shared folder), or one would wait for the others.
-    distributed.check_agreement(inputs is None, "whether cluster_sampling.analysis_path holds an analysis")
-    return inputs
+def _data_parallel_group(engine: Any) -> Any:
+    if getattr(engine, "mpu", None) is not None:
+        return engine.mpu.get_data_parallel_group()
+    return engine.data_parallel_group
 
 
 def _data_parallel_rank(engine: Any) -> int:
@@ -219,21 +158,6 @@ def _data_parallel_rank(engine: Any) -> int:
     import torch.distributed as dist
 
     return int(dist.get_rank(group=engine.data_parallel_group)) if dist.is_initialized() else 0
-
-
-def check_no_curriculum(config_dict: dict, source: str) -> None:
-    """Cluster sampling replaces the curriculum sampler; both at once is an error."""
-    efficiency = config_dict.get("data_efficiency", {}) or {}
-    sampling = efficiency.get("data_sampling", {}) or {}
-    curriculum = sampling.get("curriculum_learning", {}) or {}
-    legacy = config_dict.get("curriculum_learning", {}) or {}
-    if curriculum.get("enabled") or legacy.get("enabled"):
-        where = ("data_efficiency.data_sampling.curriculum_learning" if curriculum.get("enabled")
-                 else "curriculum_learning")
-        raise ValueError(
-            f"{source}: {where} and cluster_sampling are both enabled; cluster sampling takes the curriculum "
-            f"sampler's place, so set {where}.enabled to false (or disable cluster_sampling)"
-        )
 
 
 # -------------------------------------------------------------- checkpoints

@@ -46,6 +46,7 @@ from ds_cluster.integrations import plan_setup
 from ds_cluster.loss import LOSS_NORMALIZER, weighted_causal_lm_loss
 from ds_cluster.plan import Plan
 from ds_cluster.sampler import SAMPLE_INDEX, SAMPLE_WEIGHT, ClusterDataLoader
+from ds_cluster.special_tokens import ensure_pad_token
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +54,14 @@ SAMPLER_STATE_FILE = "ds_cluster_sampler.json"
 
 
 class _ReleaseSharedMemory(TrainerCallback):
-    """Unlinks DeepSpeed's CPU shm all-reduce buffer once Trainer has built the engine.
+    """Unlinks DeepSpeed's CPU shm all-reduce buffer once Trainer has built its engine.
 
-    Trainer starts DeepSpeed's communication backend (which creates the
-    buffer) inside `train()`, after the data loader is built, so the release
-    in `build_cluster_plan` comes too early for it.
+    The set-up (`plan_setup`) releases what exists when the loader is built;
+    Trainer's engine, built after it, may start DeepSpeed's communication anew.
     """
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        distributed.release_shared_memory_buffer()
+        plan_setup.release_shared_memory()
 
 
 class PlanBatchSampler(Sampler[list[int]]):
@@ -96,8 +96,9 @@ class PlanDataLoader(DataLoader):
         return super().__iter__()
 
 
-def _cluster_config(config: Union[None, ClusterSamplingConfig, Mapping[str, Any]], ds_config: Any
-                    ) -> ClusterSamplingConfig:
+def resolve_cluster_config(config: Union[None, ClusterSamplingConfig, Mapping[str, Any]], ds_config: Any
+                           ) -> ClusterSamplingConfig:
+    """The block a trainer uses: `cluster_config=` when given, else the one in the DeepSpeed config (off without)."""
     if isinstance(config, ClusterSamplingConfig):
         return config
     if config is not None:
@@ -107,15 +108,23 @@ def _cluster_config(config: Union[None, ClusterSamplingConfig, Mapping[str, Any]
     return ClusterSamplingConfig.from_ds_config(ds_config)
 
 
-class ClusterTrainer(Trainer):
-    """A `transformers.Trainer` whose training batches and loss come from the cluster plan.
+class ClusterSamplingMixin:
+    """Cluster-balanced batches and the weighted loss for a `transformers.Trainer` subclass.
 
-    Every rank gets exactly its part of each global batch of the plan
-    (`world_size` x `per_device_train_batch_size` x `gradient_accumulation_steps`),
-    and the loss is mean_i w_i * loss_i of a causal LM (labels shifted inside).
+    Put it before the trainer class: `class MyTrainer(ClusterSamplingMixin, Trainer)`
+    (ClusterTrainer, and ClusterSFTTrainer for TRL, are exactly that). Every
+    rank gets exactly its part of each global batch of the plan (`world_size` x
+    `per_device_train_batch_size` x `gradient_accumulation_steps`), and the
+    loss is `weighted_causal_lm_loss` with the block's `loss_reduction`:
+    "token" (the default) sums w_i x (sample i's summed response-token losses)
+    over the global batch and divides by its response tokens; "sample" is
+    mean_i w_i x loss_i, loss_i sample i's mean response-token loss.
     Checkpoints carry the sampler state (`ds_cluster_sampler.json` in each
     checkpoint folder). Extra keyword: `cluster_config` (a ClusterSamplingConfig
     or a `cluster_sampling` dict) instead of the block in `args.deepspeed`.
+    When `analysis_path` holds no analysis yet, the job computes it before the
+    first step (a forward-only DeepSpeed engine of the model under the job's
+    ZeRO stage, or the model itself without DeepSpeed).
     """
 
     # Our loss (either reduction) is made to be divided by the accumulation steps, as DeepSpeed does for the hook.
@@ -124,7 +133,10 @@ class ClusterTrainer(Trainer):
     def __init__(self, *args: Any, cluster_config: Union[None, ClusterSamplingConfig, Mapping[str, Any]] = None,
                  **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.cluster_config = _cluster_config(cluster_config, self.args.deepspeed)
+        if getattr(self, "processing_class", None) is not None and hasattr(self.processing_class, "pad_token"):
+            # Llama, Mistral and GPT-2 tokenizers ship without pad: Trainer's padding collator needs one.
+            ensure_pad_token(self.processing_class, distributed.get_rank())
+        self.cluster_config = resolve_cluster_config(cluster_config, self.args.deepspeed)
         self.plan: Optional[Plan] = None
         self.cluster_loader: Optional[ClusterDataLoader] = None
         self._resume_checkpoint: Optional[str] = None
@@ -135,26 +147,51 @@ class ClusterTrainer(Trainer):
             self.model_accepts_loss_kwargs = False
 
     # ------------------------------------------------------------------ plan
-    def build_cluster_plan(self) -> Plan:
-        """The plan for this run's batch shape; the same on every rank (fingerprints compared).
+    def build_cluster_plan(self, collate_fn: Optional[Any] = None, loader_dataset: Any = None) -> Plan:
+        """Collective: the plan for this run's batch shape, and this rank's loader over it (`self.cluster_loader`).
 
+        The one set-up every trainer shares (`plan_setup.setup_cluster_loader`).
         Rank and world size come from torch.distributed, not from `args.process_index`/`world_size`:
         Accelerate reports one process for DeepSpeed on CPU although DeepSpeed trains on all of them.
         """
         shape = BatchShape(distributed.get_world_size(), self._train_batch_size,
                            self.args.gradient_accumulation_steps)
-        if self.plan is None or self.plan.batch_shape != shape:
-            plan_setup.check_training_data(self.train_dataset)
-            self.plan = plan_setup.agreed_plan(self.cluster_config, self.train_dataset, shape)
+        ds_config = _without_auto(self.args.hf_deepspeed_config.config) if self.args.deepspeed else None
+        self.cluster_loader = plan_setup.setup_cluster_loader(
+            self.cluster_config, self.cluster_plan_dataset(), rank=distributed.get_rank(), group=None, shape=shape,
+            engine=self._feature_engine, collate_fn=collate_fn, loader_dataset=loader_dataset,
+            ds_config=ds_config, source=str(self.args.deepspeed) if self.args.deepspeed else "cluster_config",
+            world_size=distributed.get_world_size(), computed_by=f"the training job ({type(self).__name__})")
+        self.plan = self.cluster_loader.plan
         return self.plan
+
+    def cluster_plan_dataset(self) -> Any:
+        """What the plan is of: the samples fingerprinted and, for a missing analysis, the features' input.
+
+        `train_dataset` itself (items of same-width `input_ids`, `attention_mask`, `labels`). A subclass whose
+        rows are other items (ClusterSFTTrainer: TRL's variable-length rows) returns a same-length view of them;
+        the loader still reads `train_dataset`.
+        """
+        return self.train_dataset
+
+    def _feature_engine(self) -> Any:
+        """What computes the features of a missing analysis: a forward-only engine under the job's ZeRO stage."""
+        if not self.args.deepspeed:
+            return self.model
+        import deepspeed
+
+        from ds_cluster.analysis import forward_only_config
+
+        config = forward_only_config(_without_auto(self.args.hf_deepspeed_config.config))
+        engine, *_ = deepspeed.initialize(model=self.model, config=config)
+        return engine
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
         if not self.cluster_config.enabled:
             return super().get_train_dataloader()
         if self.train_dataset is None:
-            raise ValueError("ClusterTrainer: training requires a train_dataset.")
-        plan = self.build_cluster_plan()
+            raise ValueError(f"{type(self).__name__}: training requires a train_dataset.")
         dataset = self.train_dataset
         if is_datasets_available() and isinstance(dataset, __import__("datasets").Dataset):
             dataset = self._remove_unused_columns(dataset, description="training")
@@ -163,8 +200,8 @@ class ClusterTrainer(Trainer):
             # Trainer's column filter knows nothing of sample_index/sample_weight: apply it to the
             # user's fields only, inside the collate that adds the two back.
             user_collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
-        self.cluster_loader = ClusterDataLoader(dataset, plan, distributed.get_rank(), collate_fn=user_collate,
-                                                sum_over_ranks=distributed.sum_over_ranks)
+        plan = self.build_cluster_plan(collate_fn=user_collate, loader_dataset=dataset)
+        assert self.cluster_loader is not None
         if self._resume_checkpoint is not None:
             self._check_sampler_state(self._resume_checkpoint, plan)
         return PlanDataLoader(self.cluster_loader.dataset, batch_sampler=PlanBatchSampler(self.cluster_loader),
@@ -237,3 +274,16 @@ class ClusterTrainer(Trainer):
         distributed.agree_on_error(error, "restoring the cluster sampler state")
         # Trainer skips the resumed epoch's first micro-batches itself; the sampler starts the epoch whole.
         self.cluster_loader.position = 0
+
+
+class ClusterTrainer(ClusterSamplingMixin, Trainer):
+    """A `transformers.Trainer` whose training batches and loss come from the cluster plan.
+
+    See `ClusterSamplingMixin` for what it adds; without an enabled block it is a plain Trainer.
+    """
+
+
+def _without_auto(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a DeepSpeed config without the "auto" values Trainer has not filled in yet (DeepSpeed's defaults)."""
+    return {key: (_without_auto(value) if isinstance(value, Mapping) else value)
+            for key, value in config.items() if value != "auto"}

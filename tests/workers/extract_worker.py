@@ -33,7 +33,7 @@ def main() -> None:
 
     import deepspeed
 
-    from ds_cluster.distributed import get_rank, init_distributed, shutdown
+    from ds_cluster.distributed import collectives, get_rank, init_distributed, shutdown
     from ds_cluster.features.extract import model_fingerprint, run_extraction
     from tests.workers.feature_fixtures import tiny_llama, token_dataset
 
@@ -46,7 +46,7 @@ def main() -> None:
     dataset = token_dataset(args.num_samples, seed=4, empty=[5])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"fingerprint.rank{rank}.txt").write_text(model_fingerprint(engine))
+    (out / f"fingerprint.rank{rank}.txt").write_text(model_fingerprint(engine, collectives()))
 
     finished = []
 
@@ -59,7 +59,7 @@ def main() -> None:
         result = run_extraction(engine, dataset, kind=kind, dim=args.dim if kind == "lm_head" else None,
                                 batch_size=args.batch_size, shard_size=args.shard_size, seed=3,
                                 store=Path(args.store) / kind if args.store else None, show_progress=rank == 0,
-                                on_shard_done=crash_after_k_shards)
+                                on_shard_done=crash_after_k_shards, collectives=collectives())
         np.savez(out / f"{kind}.rank{rank}.npz", features=result.features, empty_mask=result.empty_mask,
                  computed=np.array(result.computed_shards, dtype=np.int64),
                  reused=np.array(result.reused_shards, dtype=np.int64))

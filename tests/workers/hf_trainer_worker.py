@@ -21,27 +21,31 @@ from ds_cluster.integrations.hf import ClusterTrainer
 from ds_cluster.models import load_model_and_tokenizer
 
 
-class TracingClusterTrainer(ClusterTrainer):
-    """ClusterTrainer that writes each micro-batch's sample indices and loss to a per-rank JSONL."""
+class TraceMixin:
+    """Writes each micro-batch's sample indices and loss to a per-rank JSONL (`trace_path`), from compute_loss."""
 
     trace_path: Path
 
     def compute_loss(self, model, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
+        loss = super().compute_loss(model, inputs, return_outputs=return_outputs,  # type: ignore[misc]
                                     num_items_in_batch=num_items_in_batch)
         value = loss[0] if return_outputs else loss
-        record = {"step": self.state.global_step, "indices": inputs["sample_index"].tolist(),
+        record = {"step": self.state.global_step, "indices": inputs["sample_index"].tolist(),  # type: ignore[attr-defined]
                   "loss": float(value.detach().float())}
         with open(self.trace_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
         return loss
 
 
-def training_arguments(config_path: str, out: Path, max_steps: int, save_steps: int) -> TrainingArguments:
-    """TrainingArguments that agree with the DeepSpeed config (Trainer rejects any mismatch)."""
+class TracingClusterTrainer(TraceMixin, ClusterTrainer):
+    """ClusterTrainer that writes each micro-batch's sample indices and loss to a per-rank JSONL."""
+
+
+def argument_values(config_path: str, out: Path, max_steps: int, save_steps: int) -> dict[str, Any]:
+    """TrainingArguments values that agree with the DeepSpeed config (Trainer rejects any mismatch)."""
     config, _ = read_ds_config(config_path)
     optimizer = config["optimizer"]["params"]
-    return TrainingArguments(
+    return dict(
         output_dir=str(out), deepspeed=config_path, max_steps=max_steps, save_strategy="steps",
         save_steps=save_steps, per_device_train_batch_size=config["train_micro_batch_size_per_gpu"],
         gradient_accumulation_steps=config["gradient_accumulation_steps"], learning_rate=optimizer["lr"],
@@ -49,6 +53,10 @@ def training_arguments(config_path: str, out: Path, max_steps: int, save_steps: 
         weight_decay=optimizer["weight_decay"], max_grad_norm=config["gradient_clipping"],
         lr_scheduler_type="constant", logging_steps=1000, report_to=[], disable_tqdm=True, seed=0,
         save_only_model=False)
+
+
+def training_arguments(config_path: str, out: Path, max_steps: int, save_steps: int) -> TrainingArguments:
+    return TrainingArguments(**argument_values(config_path, out, max_steps, save_steps))
 
 
 def main() -> None:

@@ -1,0 +1,90 @@
+"""A separate feature model: a checkpoint used only to compute the features, in its own forward-only engine.
+
+A small model trained on a CPU, or a cheap run, can select its data with the
+features of a stronger model (LESS reports that selection transfers across
+model sizes). The feature model may have its own tokenizer: every sample's
+prompt and response are re-encoded with it, from the dataset's records when
+it has them (`InstructionDataset.records`), else by decoding the trained
+tokenizer's ids (a dataset with a `tokenizer` attribute), so it scores the
+same response text. The trained model is never touched.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Iterator, Mapping, Optional, Union
+
+import torch
+
+from ds_cluster.dataset import IGNORE_INDEX, InstructionDataset
+
+logger = logging.getLogger(__name__)
+
+
+def feature_dataset(training_data: Any, feature_tokenizer: Any, max_length: Optional[int] = None) -> InstructionDataset:
+    """The training samples re-encoded with the feature model's tokenizer, in the same order.
+
+    `max_length` (in the feature tokenizer's tokens) defaults to the training
+    data's own `max_length`. ValueError, naming the fix, for a dataset that has
+    neither records nor a tokenizer to decode its ids with.
+    """
+    length = max_length or getattr(training_data, "max_length", None)
+    records = getattr(training_data, "records", None)
+    if records is None:
+        records = [_decoded_record(training_data, index) for index in range(len(training_data))]
+    if length is None:
+        raise ValueError("cluster_sampling.feature_max_length is not set and the training data has no max_length: "
+                         "set feature_max_length (tokens of the feature model's tokenizer)")
+    return InstructionDataset(records, feature_tokenizer, max_length=int(length))
+
+
+def _decoded_record(training_data: Any, index: int) -> dict[str, str]:
+    """A record of raw text from one tokenized sample: the prompt (unlabelled tokens) and the response (labelled)."""
+    tokenizer = getattr(training_data, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError(
+            f"cluster_sampling.feature_model re-encodes every sample with the feature model's tokenizer, but the "
+            f"training data ({type(training_data).__name__}) has neither `records` (as InstructionDataset has) nor "
+            "a `tokenizer` attribute to decode its ids with: set `dataset.tokenizer = <the trained tokenizer>`, "
+            "or build it with ds_cluster.dataset.InstructionDataset")
+    item = training_data[index]
+    ids = torch.as_tensor(item["input_ids"]).tolist()
+    labels = torch.as_tensor(item["labels"]).tolist()
+    mask = torch.as_tensor(item.get("attention_mask", [1] * len(ids))).tolist()
+    prompt = [token for token, label, seen in zip(ids, labels, mask) if seen and label == IGNORE_INDEX]
+    response = [token for token, label in zip(ids, labels) if label != IGNORE_INDEX]
+    # A prompt/completion record: the decoded prompt already holds whatever template the data used.
+    return {"prompt": tokenizer.decode(prompt, skip_special_tokens=True),
+            "completion": tokenizer.decode(response, skip_special_tokens=True)}
+
+
+@contextlib.contextmanager
+def _own_zero3_context() -> Iterator[None]:
+    """Keep transformers' ZeRO-3 switch as the training job set it while the feature model is loaded."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def feature_engine(path: Union[str, os.PathLike], ds_config: Optional[Mapping[str, Any]]) -> tuple[Any, Any]:
+    """(forward-only DeepSpeed engine of the feature model under the job's ZeRO stage, its tokenizer). Collective."""
+    import deepspeed
+
+    from ds_cluster.analysis import forward_only_config
+    from ds_cluster.models import load_model_and_tokenizer
+
+    config = forward_only_config(dict(ds_config or {}))
+    config.setdefault("train_micro_batch_size_per_gpu", 1)
+    config.setdefault("gradient_accumulation_steps", 1)
+    config.pop("train_batch_size", None)
+    with _own_zero3_context():
+        model, tokenizer = load_model_and_tokenizer(path, ds_config=config)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+    logger.info("feature model %s loaded in a forward-only engine (ZeRO stage %s)", os.fspath(path),
+                (config.get("zero_optimization") or {}).get("stage", 0))
+    return engine, tokenizer

@@ -1,0 +1,182 @@
+"""The docs' claims read against the code: public names, the defaults table, the loss formulas."""
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ds_cluster
+from ds_cluster.config import ClusterSamplingConfig
+from ds_cluster.loss import weighted_lm_loss
+from ds_cluster.plan import build_plan
+from ds_cluster.sampler import ClusterDataLoader
+from tests.launching import REPO
+
+DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
+IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+DOTTED = re.compile(rf"^({IDENTIFIER}(?:\.{IDENTIFIER})+)(?:\(.*\))?$")
+# Packages the docs name that are not this one (`deepspeed.initialize` is DeepSpeed's, not integrations/deepspeed.py).
+OTHER_PACKAGES = {"deepspeed", "torch", "transformers", "trl", "datasets", "sklearn", "accelerate", "numpy", "sys"}
+
+
+def _backticked(path: Path) -> list[str]:
+    """Every `code` span of a doc; in changes.md's tables only the right column (the names as they are now)."""
+    text = path.read_text(encoding="utf-8")
+    if path.name == "changes.md":
+        kept = []
+        for line in text.splitlines():
+            cells = line.split("|")
+            kept.append("|".join(cells[2:]) if line.startswith("|") and len(cells) > 3 else line)
+        text = "\n".join(kept)
+    return re.findall(r"`([^`\n]+)`", text)
+
+
+def _modules() -> dict[str, str]:
+    """Short and full names of every ds_cluster module: {"plan_setup": "ds_cluster.integrations.plan_setup", ...}."""
+    found = {"ds_cluster": "ds_cluster"}
+    # Shallowest first: `plan` is ds_cluster.plan, not ds_cluster.cli.plan.
+    infos = sorted(pkgutil.walk_packages(ds_cluster.__path__, prefix="ds_cluster."), key=lambda i: i.name.count("."))
+    for info in infos:
+        found[info.name] = info.name
+        found.setdefault(info.name.rsplit(".", 1)[1], info.name)
+        # integrations.hf, features.kinds, cli.train ...
+        found.setdefault(".".join(info.name.split(".")[-2:]), info.name)
+    return found
+
+
+def _resolves(dotted: str, modules: dict[str, str]) -> bool:
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        module_name = modules.get(".".join(parts[:split]))
+        if module_name is None:
+            continue
+        module = importlib.import_module(module_name)
+        # `plan.rank_schedule`: a method of an object of the module's class, as the docs write it of an instance.
+        for target in [module] + [value for value in vars(module).values() if isinstance(value, type)]:
+            for attribute in parts[split:]:
+                if not hasattr(target, attribute):
+                    break
+                target = getattr(target, attribute)
+            else:
+                return True
+        return False
+    return False
+
+
+def _doc_names() -> list[tuple[str, str]]:
+    modules = _modules()
+    names = []
+    for path in DOCS:
+        for span in _backticked(path):
+            match = DOTTED.match(span.strip())
+            if not match:
+                continue
+            dotted = match.group(1)
+            head = dotted.split(".")[0]
+            # Names of this package (ds_cluster.x, or a module's short name such as plan_setup.setup_cluster_loader).
+            if head == "ds_cluster" or (head in modules and head not in OTHER_PACKAGES
+                                        and not dotted.endswith((".py", ".md", ".json", ".npy"))):
+                names.append((path.name, dotted))
+    return names
+
+
+@pytest.mark.parametrize("doc,name", _doc_names(), ids=lambda value: str(value))
+def test_every_public_name_in_the_docs_exists(doc: str, name: str):
+    assert _resolves(name, _modules()), f"{doc} names `{name}`, which the code does not have"
+
+
+def _doc_paths() -> list[tuple[str, str]]:
+    paths = []
+    for path in DOCS:
+        for span in _backticked(path):
+            span = span.strip()
+            if re.fullmatch(r"(ds_cluster|bench|tests|launch|ds_configs|docs)/[\w./-]*", span) and "*" not in span:
+                paths.append((path.name, span))
+            elif re.fullmatch(r"test_\w+\.py::\w+\*?", span):
+                paths.append((path.name, span))
+    return paths
+
+
+@pytest.mark.parametrize("doc,reference", _doc_paths(), ids=lambda value: str(value))
+def test_every_file_and_test_the_docs_name_exists(doc: str, reference: str):
+    if "::" in reference:
+        file_name, test_name = reference.split("::")
+        source = (REPO / "tests" / file_name).read_text()
+        assert re.search(rf"def {test_name.rstrip('*')}", source), f"{doc} names {reference}"
+    else:
+        assert (REPO / reference).exists(), f"{doc} names {reference}, which does not exist"
+
+
+def _defaults_table() -> dict[str, str]:
+    rows = {}
+    for line in (REPO / "docs" / "configuration.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] not in ("key", "---") and not cells[0].startswith("-"):
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def test_the_defaults_table_is_the_configs_defaults():
+    table = _defaults_table()
+    fields = ClusterSamplingConfig.model_fields
+    assert set(table) == set(fields), "docs/configuration.md's table and ClusterSamplingConfig's keys differ"
+    defaults = ClusterSamplingConfig()
+    for key, written in table.items():
+        assert json.loads(written) == getattr(defaults, key), f"{key}: docs say {written}"
+
+
+# ------------------------------------------------------------------------------------------ the loss formulas
+def _step_losses(reduction: str) -> tuple[float, float]:
+    """One optimizer step (1 rank, micro 3, accumulation 2) through the loader: the summed micro-batch losses
+    as DeepSpeed would accumulate them (each divided by the accumulation steps), and the docs' formula."""
+    rng = np.random.default_rng(0)
+    num_samples, length, vocab = 24, 7, 11
+    labels = torch.full((num_samples, length), -100)
+    for row in range(num_samples):
+        start = int(rng.integers(1, length - 1))
+        labels[row, start:] = torch.as_tensor(rng.integers(0, vocab, length - start))
+    dataset = [{"input_ids": torch.zeros(length, dtype=torch.int64), "labels": labels[row]}
+               for row in range(num_samples)]
+    config = ClusterSamplingConfig(enabled=True, num_clusters=2, budget_mode="proportional", budget_ratio=0.5,
+                                   loss_reduction=reduction)
+    plan = build_plan(None, config, world_size=1, micro_batch_size=3, gradient_accumulation_steps=2,
+                      labels=np.repeat([0, 1], [16, 8]))
+    loader = ClusterDataLoader(dataset, plan, 0)
+    logits = {index: torch.as_tensor(rng.normal(size=(length, vocab)), dtype=torch.float32)
+              for index in range(num_samples)}
+    accumulated, step_items = 0.0, []
+    for micro, batch in zip(range(2), loader):
+        batch_logits = torch.stack([logits[int(i)] for i in batch["sample_index"]])
+        accumulated += float(weighted_lm_loss(batch_logits, batch["labels"], batch["sample_weight"],
+                                              batch.get("loss_normalizer"))) / 2
+        step_items += [(int(i), float(w)) for i, w in zip(batch["sample_index"], batch["sample_weight"])]
+    sums, counts, means = [], [], []
+    for index, weight in step_items:
+        token_losses = torch.nn.functional.cross_entropy(logits[index][:-1], labels[index][1:], ignore_index=-100,
+                                                         reduction="none")[labels[index][1:] != -100]
+        sums.append(weight * float(token_losses.sum()))
+        counts.append(token_losses.numel())
+        means.append(weight * float(token_losses.mean()))
+    # docs/trainer.md and docs/configuration.md: "token" = sum_i w_i (token losses of i) / response tokens of the
+    # global batch; "sample" = mean over the micro-batch of w_i loss_i, averaged over the accumulation steps.
+    formula = sum(sums) / sum(counts) if reduction == "token" else float(np.mean(means))
+    return accumulated, formula
+
+
+@pytest.mark.parametrize("reduction", ["token", "sample"])
+def test_the_loss_is_the_formula_the_docs_give(reduction: str):
+    accumulated, formula = _step_losses(reduction)
+    assert accumulated == pytest.approx(formula, rel=1e-5)
+    trainer_doc = (REPO / "docs" / "trainer.md").read_text()
+    assert f'"{reduction}"' in trainer_doc and "loss_reduction" in trainer_doc
+
+
+def test_the_docs_name_the_default_reduction():
+    default = ClusterSamplingConfig().loss_reduction
+    assert f'"{default}" (the default)' in (REPO / "docs" / "trainer.md").read_text()

@@ -1,0 +1,86 @@
+"""A separate feature model: its own tokenizer re-encodes the samples, its own forward-only engine makes the
+features, and the plan then drives the training of another model (2 ranks, ZeRO-3, CPU)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ds_cluster.dataset import IGNORE_INDEX, InstructionDataset, read_jsonl
+from ds_cluster.features.feature_model import feature_dataset
+from ds_cluster.models import load_model_and_tokenizer
+from ds_cluster.toy.models import base_model_path
+from tests.launching import REPO, check, run_deepspeed, shm_buffers
+from tests.training import TRAIN, assert_run_follows_plan
+
+STORIES = REPO / "ds_cluster" / "real" / "stories260k"
+RECORDS = [{"instruction": "Reverse the letters.", "input": "abc", "output": "cba", "family": "reverse"},
+           {"instruction": "Double each letter.", "input": "xy", "output": "xxyy", "family": "double"}]
+
+
+def _response_text(dataset: InstructionDataset, tokenizer, row: int) -> str:
+    labels = dataset.labels[row]
+    return tokenizer.decode(labels[labels != IGNORE_INDEX].tolist(), skip_special_tokens=True)
+
+
+def test_the_feature_tokenizer_scores_the_same_response_text():
+    _, toy_tokenizer = load_model_and_tokenizer(base_model_path())
+    _, stories_tokenizer = load_model_and_tokenizer(STORIES)
+    trained = InstructionDataset(RECORDS, toy_tokenizer, max_length=48)
+    for features_of in (feature_dataset(trained, stories_tokenizer),
+                        feature_dataset(_token_only(trained, toy_tokenizer), stories_tokenizer)):
+        assert len(features_of) == len(trained) and features_of.max_length == 48
+        for row in range(len(RECORDS)):
+            assert _response_text(features_of, stories_tokenizer, row).strip() == RECORDS[row]["output"]
+            # Another tokenizer, another sequence of ids for the same text.
+            assert features_of.input_ids[row].tolist() != trained.input_ids[row].tolist()
+
+
+class _TokenOnly(torch.utils.data.Dataset):
+    """A user's tokenized dataset: items only, and the tokenizer that made them."""
+
+    def __init__(self, dataset: InstructionDataset, tokenizer) -> None:
+        self.items, self.tokenizer, self.max_length = [dataset[i] for i in range(len(dataset))], tokenizer, 48
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.items[index]
+
+
+def _token_only(dataset: InstructionDataset, tokenizer) -> _TokenOnly:
+    return _TokenOnly(dataset, tokenizer)
+
+
+def test_a_tokenized_dataset_without_its_tokenizer_gets_an_error_naming_the_fix():
+    _, toy_tokenizer = load_model_and_tokenizer(base_model_path())
+    bare = _TokenOnly(InstructionDataset(RECORDS, toy_tokenizer, max_length=48), toy_tokenizer)
+    bare.tokenizer = None
+    with pytest.raises(ValueError, match="dataset.tokenizer ="):
+        feature_dataset(bare, toy_tokenizer)
+
+
+@pytest.mark.integration
+def test_a_feature_model_makes_the_features_and_the_plan_trains_another_model(small_job: Path,  # noqa: F811
+                                                                              tmp_path: Path):
+    config = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    analysis = tmp_path / "analysis"
+    config["data_efficiency"]["data_sampling"]["cluster_sampling"].update(
+        analysis_path=str(analysis), budget_ratio=0.2, num_clusters=4, kmeans_n_init=2,
+        feature_model=str(STORIES), feature_max_length=128)
+    (tmp_path / "ds_config.json").write_text(json.dumps(config))
+    before = shm_buffers()
+    check(run_deepspeed([*TRAIN, "--deepspeed", str(tmp_path / "ds_config.json"), "--model",
+                         str(small_job / "model"), "--data", str(small_job / "train.jsonl"), "--output-dir",
+                         str(tmp_path / "out"), "--max-length", "64", "--trace", "--max-steps", "3"], timeout=300))
+    manifest = json.loads((analysis / "manifest.json").read_text())
+    assert manifest["feature_model"] == str(STORIES) and manifest["zero_stage"] == 3
+    # stories260K's hidden size, not the trained model's (128): the features are the feature model's.
+    features = np.load(analysis / "features.npy")
+    assert features.shape == (len(read_jsonl(small_job / "train.jsonl")), 64)
+    assert_run_follows_plan(tmp_path / "out")
+    assert shm_buffers() - before == set()

@@ -1,0 +1,88 @@
+"""One set-up for every trainer: the hook and ClusterTrainer train on the same sequence, both compute a missing
+analysis in the job, and no failed job leaves DeepSpeed's shared memory behind (2 ranks, ZeRO-3, CPU)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.launching import REPO, check, run_deepspeed, shm_buffers
+from tests.training import TRAIN, read_trace
+
+pytestmark = pytest.mark.integration
+
+HF_WORKER = REPO / "tests" / "workers" / "hf_trainer_worker.py"
+HOOK_WORKER = REPO / "tests" / "workers" / "hook_user_init_worker.py"
+MAX_STEPS = 7  # 4 steps per epoch at budget 0.2: the sequence crosses an epoch boundary
+
+
+def _config(job: Path, folder: Path, **block_keys) -> Path:
+    """zero3.json with the block's analysis_path and budget set (as tests/test_hf_trainer.py's run)."""
+    config = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    block = config["data_efficiency"]["data_sampling"]["cluster_sampling"]
+    block.update(analysis_path=str(job / "analysis"), budget_ratio=0.2)
+    block.update(block_keys)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _trainer(job: Path, config: Path, out: Path, max_steps: int = MAX_STEPS):
+    return run_deepspeed([str(HF_WORKER), "--deepspeed", str(config), "--model", str(job / "model"),
+                          "--data", str(job / "train.jsonl"), "--out", str(out), "--max-steps", str(max_steps),
+                          "--save-steps", "1000"], timeout=300)
+
+
+def _hook(job: Path, config: Path, out: Path, max_steps: int = MAX_STEPS):
+    return run_deepspeed([*TRAIN, "--deepspeed", str(config), "--model", str(job / "model"),
+                          "--data", str(job / "train.jsonl"), "--output-dir", str(out), "--max-length", "64",
+                          "--trace", "--max-steps", str(max_steps), "--epochs", "3"], timeout=300)
+
+
+def test_the_hook_and_cluster_trainer_train_on_the_same_sequence(small_job: Path, tmp_path: Path):  # noqa: F811
+    config = _config(small_job, tmp_path)
+    check(_hook(small_job, config, tmp_path / "hook"))
+    check(_trainer(small_job, config, tmp_path / "trainer"))
+    for rank in range(2):
+        hook = [record["indices"] for record in read_trace(tmp_path / "hook", rank)]
+        trainer = [record["indices"] for record in read_trace(tmp_path / "trainer", rank)]
+        assert len(hook) == len(trainer) == MAX_STEPS * 2, rank  # accumulation 2 in zero3.json
+        assert hook == trainer, f"rank {rank}: the hook and ClusterTrainer trained on other samples"
+
+
+def test_cluster_trainer_computes_a_missing_analysis_in_its_job_and_reuses_it(small_job: Path, tmp_path: Path):  # noqa: F811
+    analysis = tmp_path / "analysis_made_by_the_job"
+    config = _config(small_job, tmp_path, analysis_path=str(analysis), num_clusters=4, kmeans_n_init=2)
+    before = shm_buffers()
+    first = check(_trainer(small_job, config, tmp_path / "first", max_steps=3))
+    manifest = json.loads((analysis / "manifest.json").read_text())
+    assert manifest["computed_by"] == "the training job (TracingClusterTrainer)"
+    assert manifest["zero_stage"] == 3 and manifest["world_size"] == 2
+    assert "analysis computed in the training job" in first.stdout + first.stderr
+    assert len(read_trace(tmp_path / "first", 0)) == 3 * 2
+    second = check(_trainer(small_job, config, tmp_path / "second", max_steps=3))
+    assert "analysis computed in the training job" not in second.stdout + second.stderr
+    assert json.loads((analysis / "manifest.json").read_text()) == manifest  # read, not recomputed
+    assert [r["indices"] for r in read_trace(tmp_path / "second", 1)] == \
+        [r["indices"] for r in read_trace(tmp_path / "first", 1)]
+    assert shm_buffers() - before == set()
+
+
+@pytest.mark.parametrize("path", ["ds_cluster.train", "a user's hook script", "ClusterTrainer"])
+def test_a_job_failing_at_plan_time_leaves_no_shared_memory(small_job: Path, tmp_path: Path, path: str):  # noqa: F811
+    # 8 clusters of a 480-sample slice keeping 4 samples: fewer than one global batch of 2 x 4 x 2.
+    config = _config(small_job, tmp_path, budget_samples=4, num_clusters=8,
+                     budget_mode="proportional", selection="random")
+    before = shm_buffers()
+    if path == "ds_cluster.train":
+        result = _hook(small_job, config, tmp_path / "out")
+    elif path == "ClusterTrainer":
+        result = _trainer(small_job, config, tmp_path / "out")
+    else:
+        result = run_deepspeed([str(HOOK_WORKER), "--deepspeed", str(config), "--model", str(small_job / "model"),
+                                "--data", str(small_job / "train.jsonl")], timeout=300)
+    assert result.returncode != 0
+    assert "is smaller than" in result.stdout + result.stderr  # the planner's error, on the way out
+    assert shm_buffers() - before == set()
