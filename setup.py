@@ -3,13 +3,14 @@ from setuptools import find_packages, setup
 
 setup(
     name="ds_cluster",
-    version="0.2.0",
+    version="0.3.0",
     description="CluSTER cluster-aware balanced sampling as a DeepSpeed data-efficiency hook",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["ds_cluster", "ds_cluster.*"]),
-    package_data={"ds_cluster": ["toy/data/default/*.jsonl", "toy/data/default/*.md", "toy/base_model/*"]},
+    package_data={"ds_cluster": ["toy/data/default/*.jsonl", "toy/data/default/*.md", "toy/base_model/*",
+                              "real/stories260k/*", "real/data/*/*"]},
     install_requires=[
         # torch is installed first by launch/setup_env.sh, pinned to the CPU build on disk.
         "torch>=2.4",
@@ -26,6 +27,8 @@ setup(
         "tqdm>=4.66",
         "matplotlib>=3.8",
         "accelerate>=1.0",
+        # ClusterSFTTrainer: SFTTrainer builds the labels while preparing the data from 1.16 on.
+        "trl>=1.16,<2",
     ],
     extras_require={
         "faiss": ["faiss-cpu>=1.8"],

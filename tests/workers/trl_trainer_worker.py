@@ -1,0 +1,83 @@
+"""A ClusterSFTTrainer run under the deepspeed launcher that records every micro-batch it trains on.
+
+Run by tests/test_trl_trainer.py (2 ranks, CPU). The data is what a TRL user
+passes: a datasets.Dataset of prompt/completion records (the Alpaca prompt of
+ds_cluster.dataset.format_prompt, the record's output), tokenized by
+SFTTrainer itself. Each rank appends {"step", "indices", "loss"} per
+micro-batch to OUT/trace/rank<R>.jsonl from inside compute_loss, i.e. what the
+model really saw after SFTTrainer's, Trainer's and Accelerate's data handling.
+Rank 0 writes OUT/plan_fingerprint.txt and OUT/run.json (rows, the plan's
+summary and settings, what computing the analysis cost, Trainer's log history).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import datasets
+from trl import SFTConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from ds_cluster import distributed  # noqa: E402
+from ds_cluster.dataset import format_prompt, read_jsonl  # noqa: E402
+from ds_cluster.integrations.trl import ClusterSFTTrainer  # noqa: E402
+from ds_cluster.models import load_model_and_tokenizer  # noqa: E402
+from tests.workers.hf_trainer_worker import TraceMixin, argument_values  # noqa: E402
+
+
+class TracingClusterSFTTrainer(TraceMixin, ClusterSFTTrainer):
+    """ClusterSFTTrainer that writes each micro-batch's sample indices and loss to a per-rank JSONL."""
+
+
+def sft_config(config_path: str, out: Path, max_steps: int, save_steps: int) -> SFTConfig:
+    """SFTConfig with tests/workers/hf_trainer_worker.py's values (they agree with the DeepSpeed config).
+
+    bf16 off, as in the DeepSpeed config (SFTConfig turns it on by default);
+    TRL's default gradient checkpointing stays on.
+    """
+    values = argument_values(config_path, out, max_steps, save_steps)
+    return SFTConfig(**{**values, "logging_steps": 2}, bf16=False, max_length=64)
+
+
+def prompt_completion_dataset(path: str) -> datasets.Dataset:
+    """The records as TRL's prompt-completion dataset (family kept: the analysis summary's purity reads it)."""
+    return datasets.Dataset.from_list([{"prompt": format_prompt(record), "completion": record["output"],
+                                        "family": record["family"]} for record in read_jsonl(path)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--deepspeed", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--save-steps", type=int, required=True)
+    parser.add_argument("--resume", default=None, help="checkpoint folder to resume from")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    out = Path(args.out)
+    # SFTConfig first: it starts the process group and, under ZeRO-3, makes the model build partitioned.
+    training_args = sft_config(args.deepspeed, out, args.max_steps, args.save_steps)
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    trainer = TracingClusterSFTTrainer(model=model, args=training_args, processing_class=tokenizer,
+                                       train_dataset=prompt_completion_dataset(args.data))
+    (out / "trace").mkdir(parents=True, exist_ok=True)
+    # The process group's rank: Accelerate counts one process for DeepSpeed on CPU.
+    rank = distributed.get_rank()
+    trainer.trace_path = out / "trace" / f"rank{rank}.jsonl"
+    trainer.train(resume_from_checkpoint=args.resume)
+    if rank == 0:
+        (out / "plan_fingerprint.txt").write_text(trainer.plan.fingerprint())
+        (out / "run.json").write_text(json.dumps({
+            "num_rows": len(trainer.train_dataset), "plan": trainer.plan.summary(), "settings": trainer.plan.settings,
+            "analysis_timings": trainer.cluster_loader.analysis_timings, "log_history": trainer.state.log_history}))
+    del trainer
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
