@@ -1,0 +1,159 @@
+"""Rebuild the shipped FLAN v2 chain-of-thought slice from google-research/FLAN's ``cot_data``.
+
+Source: GitHub google-research/FLAN (Apache-2.0), ``flan/v2/cot_data/{source}_train.tsv``: one
+record a line, ``question<TAB>answer<TAB>rationale``, with newlines written as a literal ``\\n``
+(FLAN's ``simple_cot_tsv`` reads them the same way). The family is the source name (``gsm8k``,
+``ecqa``, ...); the template is FLAN's task name (``cot_gsm8k``, or ``stream_aqua`` for the two
+sources FLAN marks as lower-quality annotations).
+
+The target (``output``) is the short final answer, not the rationale: the benchmark's primary
+metrics are the loss on the answer and exact match on short answers, and with the 512-piece
+stories260K tokenizer most rationales alone exceed the 40-token completion limit. The rationale
+is kept in an extra ``rationale`` field for anyone who wants chain-of-thought targets.
+
+    python -m ds_cluster.real.flan_cot --source DIR --out ds_cluster/real/data/flan_cot --source-commit SHA
+
+``--source`` is the folder holding the ``*_train.tsv`` files (or any folder above it).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ds_cluster.real.slicing import (
+    split_and_rebuild_sections,
+    SliceSettings,
+    SourceRecord,
+    family_table,
+    rebuild_slice,
+    report_lines,
+    slice_parser,
+    write_readme,
+)
+
+logger = logging.getLogger(__name__)
+
+SOURCE_REPO = "google-research/FLAN"
+SOURCE_PATH = "flan/v2/cot_data"
+# FLAN's task_configs.py: (source, annotation kind, lines in the train file)
+FLAN_COT_SOURCES: tuple[tuple[str, str, int], ...] = (
+    ("gsm8k", "cot", 7473),
+    ("strategyqa", "cot", 2061),
+    ("creak", "cot", 6915),
+    ("qasc", "cot", 1084),
+    ("esnli", "cot", 36174),
+    ("ecqa", "cot", 7112),
+    ("sensemaking", "cot", 6070),
+    ("aqua", "stream", 2728),
+    ("qed", "stream", 5154),
+)
+DEFAULT_SETTINGS = SliceSettings(heldout_per_family=150, train_size=9000, min_family_records=500)
+
+
+def source_files(source: Path) -> dict[str, Path]:
+    """The ``{name}_train.tsv`` files present under ``source``, by source name."""
+    source = Path(source)
+    files: dict[str, Path] = {}
+    for name, _, _ in FLAN_COT_SOURCES:
+        direct = source / f"{name}_train.tsv"
+        found = [direct] if direct.is_file() else sorted(source.rglob(f"cot_data/{name}_train.tsv"))
+        if found:
+            files[name] = found[0]
+    if not files:
+        raise FileNotFoundError(f"no FLAN cot_data *_train.tsv files under {source}")
+    return files
+
+
+def unescape(text: str) -> str:
+    """A TSV field with its literal ``\\n`` turned into newlines and the surrounding whitespace removed."""
+    return text.replace("\\n", "\n").strip()
+
+
+def read_source(source: Path) -> tuple[list[SourceRecord], list[str]]:
+    """(records in FLAN's source order then line order, names of the sources whose file is absent)."""
+    files = source_files(source)
+    missing = [name for name, _, _ in FLAN_COT_SOURCES if name not in files]
+    if missing:
+        logger.warning("FLAN CoT sources absent from %s: %s", source, ", ".join(missing))
+    records: list[SourceRecord] = []
+    for name, kind, expected_lines in tqdm(FLAN_COT_SOURCES, desc="FLAN CoT sources"):
+        if name not in files:
+            continue
+        # "\n" only: questions contain U+2028, which str.splitlines() would also split on
+        lines = files[name].read_bytes().decode("utf-8").removesuffix("\n").split("\n")
+        if len(lines) != expected_lines:
+            logger.warning("%s: %d lines, FLAN's task config says %d", files[name], len(lines), expected_lines)
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            fields = line.split("\t")
+            if len(fields) != 3:
+                raise ValueError(f"{files[name]}:{number}: {len(fields)} tab-separated fields, expected 3")
+            question, answer, rationale = (unescape(f) for f in fields)
+            records.append(
+                SourceRecord(
+                    prompt=question,
+                    completion=answer,
+                    family=name,
+                    dataset=name,
+                    template=f"{kind}_{name}",
+                    extra=(("rationale", rationale),),
+                )
+            )
+    return records, missing
+
+
+def readme_text(
+    report_markdown: str, table: str, command: str, source_commit: str | None, missing: list[str]
+) -> str:
+    """The README shipped beside the slice."""
+    commit = source_commit or "(not recorded)"
+    expected = {name: lines for name, _, lines in FLAN_COT_SOURCES}
+    absent = (
+        ", ".join(f"`{name}_train.tsv` ({expected[name]} lines)" for name in missing)
+        if missing
+        else "none"
+    )
+    return f"""# FLAN v2 chain-of-thought slice (confirmation mixture)
+
+A slice of the FLAN v2 CoT training data, one family per source, for the benchmark's confirmation run.
+
+## Provenance
+
+- Source: GitHub [{SOURCE_REPO}](https://github.com/{SOURCE_REPO}), commit `{commit}`,
+  files `{SOURCE_PATH}/*_train.tsv` (`question<TAB>answer<TAB>rationale`, newlines written as `\\n`).
+- Licence: Apache-2.0 (the FLAN repository); the underlying datasets keep their own licences.
+- Sources absent from the fetched snapshot (files of 4 MiB or more were not fetched): {absent}.
+  FLAN's CoT mixture lists nine sources; this slice has the others.
+
+## Records
+
+`train.jsonl.gz` and `heldout.jsonl.gz`, one JSON object a line:
+`{{"instruction": question, "input": "", "output": answer, "family": source, "dataset": source,
+"template": FLAN task name, "rationale": chain of thought}}`.
+
+The target is the short final answer (e.g. `72`, `no`, `(C)`, `Sentence A`), not the rationale: the
+benchmark's primary metrics are the answer loss and exact match on short answers, and most
+rationales alone are longer than the 40-token completion limit with the 512-piece stories260K
+tokenizer. The rationale is kept in `rationale` (not filtered by length) for chain-of-thought use.
+The question is used as written, without FLAN's prompt templates, and the text is kept as in the
+source, including its few mis-encoded characters (e.g. `âˆª` for `∪` in aqua).
+
+{split_and_rebuild_sections(report_markdown, table, command, SOURCE_PATH)}"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: rebuild the FLAN CoT slice from the fetched TSV files."""
+    parser = slice_parser("Rebuild the FLAN v2 CoT slice (train/held-out) from cot_data.",
+                          f"folder with {SOURCE_PATH}/*_train.tsv", DEFAULT_SETTINGS)
+    args = parser.parse_args(argv)
+    records, missing = read_source(args.source)
+    report, settings, command = rebuild_slice(args, records, "ds_cluster.real.flan_cot", DEFAULT_SETTINGS)
+    write_readme(args.out, readme_text(report_lines(report, settings), family_table(report), command,
+                                       args.source_commit, missing), report)
+
+
+if __name__ == "__main__":
+    main()
