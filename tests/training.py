@@ -49,7 +49,7 @@ def read_trace(out: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in (out / "trace" / f"rank{rank}.jsonl").read_text().splitlines()]
 
 
-def assert_run_follows_plan(out: Path, world: int = 2) -> None:
+def assert_run_follows_plan(out: Path, world: int = 2, loss_falls: bool = True) -> None:
     """Each rank trained on exactly its plan indices, step by step; the loss fell; ranks agree."""
     plan = Plan.load(out / "plan")
     schedules: dict[int, np.ndarray] = {}
@@ -61,7 +61,8 @@ def assert_run_follows_plan(out: Path, world: int = 2) -> None:
             step, micro = divmod(record["micro"], plan.gradient_accumulation_steps)
             assert record["indices"] == schedule[step, rank, micro].tolist()
         losses = [r["loss"] for r in trace]
-        assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.1, losses
+        if loss_falls:
+            assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.1, losses
     digests = {json.loads((out / f"summary_rank{r}.json").read_text())["parameter_digest"] for r in range(world)}
     assert len(digests) == 1, "ranks ended with different parameters"
 
