@@ -1,23 +1,34 @@
 """Time to quality: which sampling reaches full-data quality in less time? 2 ranks, ZeRO-2, CPU.
 
-    python bench/quality.py                       # the default run (45-80 min on 2 idle cores: bench/README.md)
-    python bench/quality.py --quick               # a smoke run (at most 10 min)
-    python bench/quality.py --data DIR            # any folder with train.jsonl and heldout.jsonl (Alpaca + family)
+    python bench/quality.py                       # the default run: the T0 slice on stories260K (bench/README.md)
+    python bench/quality.py --quick               # a smoke run of the same instrument (at most 10 min)
+    python bench/quality.py --data ds_cluster/real/data/flan_cot --name quality_flan_cot
+                                                  # the confirmation mixture (FLAN CoT; chooses nothing)
+    python bench/quality.py --data DIR            # any folder with train.jsonl[.gz] and heldout.jsonl[.gz]
+                                                  # (Alpaca fields plus `family`)
+    python bench/quality.py --synthetic           # the synthetic instrument (toy tasks, toy base model): a check
+                                                  # of the machinery, not a quality claim
+    python bench/quality.py --gate-only           # only the calibration gate's arms
     python bench/quality.py --choose              # the candidates for the recommended preset, validation only
-    python bench/quality.py --report-only         # rebuild quality.{json,md,png} from finished arms
+    python bench/quality.py --report-only         # rebuild the report from finished arms
     python bench/quality.py --base-model DIR      # another base model (a Hugging Face checkpoint folder)
     python bench/quality.py --arms random,recommended --no-ablations   # only these arms beside full data
+    python bench/quality.py --equal-steps         # add random and recommended at 30% trained to full data's steps
 
 Validation is carved from train here (VALIDATION_FRACTION of every family, at least VALIDATION_MIN,
 a fixed split seed); every choice is made on it, never on held-out. All arms run in one DeepSpeed job
 (bench/quality_job.py); a rerun resumes where it stopped. Arms, per seed and kept fraction f:
 
-- full: all of the data, EPOCHS epochs (the time and quality reference);
-- full_cut: all of the data, stopped at the subset arms' step count (equal steps);
+- full: all of the data, `epochs` epochs (the time and quality reference);
+- full_cut: all of the data, stopped at the subset arms' step count (equal steps, full data's side);
 - random: a uniform random subset of the paper arm's kept size;
 - paper: the CluSTER paper preset (K = world size = 2, r set so that it keeps about f);
-- recommended: ds_cluster's recommended preset, same kept size;
-- oracle: family-balanced (labels = family, even budget, random within a family), same kept size.
+- recommended: ds_cluster's recommended preset on the trained model's own features, same kept size;
+- recommended_smollm2: the same preset on SmolLM2-135M-Instruct's features (`feature_model`), when
+  .cache/smollm2-135m-instruct exists (else skipped, and the report says so);
+- oracle: family-balanced (labels = family, even budget, random within a family), same kept size;
+- neardup: near-duplicate removal to the same kept size (bench/near_duplicates.py has the rule);
+- KIND_steps (with --equal-steps): the subset trained for more epochs, to full data's step count.
 
 A seed changes the data order, the random subset and the k-means seed together, the same for every arm.
 """
@@ -25,14 +36,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import random
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -42,44 +54,93 @@ import numpy as np  # noqa: E402
 from ds_cluster.dataset import read_jsonl, write_jsonl  # noqa: E402
 from ds_cluster.distributed import free_port  # noqa: E402
 
+logger = logging.getLogger("bench.quality")
+
 VALIDATION_FRACTION = 0.1
 VALIDATION_MIN = 12
 SPLIT_SEED = 20261130
 WORLD_SIZE = 2
+# A family's answers are labels (greedy exact match is scored on it) when its CATEGORICAL_TOP_ANSWERS
+# most frequent distinct answers (whitespace stripped) cover at least CATEGORICAL_COVERAGE_MIN of its
+# training records. On the T0 slice: paraphrase 1.00, topic 1.00, sentiment 0.92 are labels;
+# closed-book QA 0.55, multiple choice 0.25, summaries 0.21 and generated sentences 0.13 are not.
+CATEGORICAL_TOP_ANSWERS = 20
+CATEGORICAL_COVERAGE_MIN = 0.9
+SMOLLM2_DIR = REPO / ".cache" / "smollm2-135m-instruct"
+# SmolLM2 tokens per sample for its features: about 90% of the T0 records fit whole (1.35 tokens per
+# word on their word counts); extraction keeps the full width, so its cost is proportional to this.
+SMOLLM2_FEATURE_MAX_LENGTH = 96
+
+REAL_ARMS = ("full_cut", "random", "paper", "recommended", "oracle", "neardup", "recommended_smollm2")
+SYNTHETIC_ARMS = ("full_cut", "random", "paper", "recommended", "oracle")
+KNOWN_ARMS = REAL_ARMS
+EQUAL_STEPS_KINDS = ("random", "recommended")
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What every arm shares (the recipe was chosen on the validation split: bench/README.md)."""
+    """What every arm shares. The defaults are the real instrument's; SYNTHETIC_RECIPE replaces them for the
+    synthetic one (how each recipe was chosen, and that the real one has not passed its gate yet: bench/README.md)."""
 
-    data: Path = REPO / "ds_cluster" / "toy" / "data" / "default"
-    work_dir: Path = REPO / "runs" / "bench_quality"
-    results_dir: Path = REPO / "bench" / "results"
+    instrument: str = "real"  # "real": a real mixture and base model; "synthetic": the toy check of the machinery
+    data: Path = REPO / "ds_cluster" / "real" / "data" / "t0"
+    work_dir: Path = REPO / "runs" / "bench_real_quality"
+    results_dir: Path = REPO / "bench" / "results" / "real"
     results_name: str = "quality"
-    base_model: Optional[Path] = None  # default: the toy base model
-    epochs: int = 16
+    base_model: Optional[Path] = None  # default: stories260K (real) or the toy base model (synthetic)
+    epochs: int = 3  # with lr 1e-3 and max length 160: the cheaper of the two recipes tried, neither passed the gate
     learning_rate: float = 1e-3
-    adam_eps: float = 1e-5  # 1e-8 and 1e-6 failed the plateau check on validation mixtures (bench/README.md)
+    adam_eps: float = 1e-5  # 1e-8 and 1e-6 failed the synthetic plateau check (bench/README.md)
     warmup_fraction: float = 0.05
-    max_length: int = 96
+    max_length: int = 160  # for time (272 holds every T0 record whole, at 1.7x the step's cost); prompts cut first
     micro_batch_size: int = 8
     seeds: tuple[int, ...] = (0, 1, 2, 3)
     fractions: tuple[float, ...] = (0.3, 0.5)
     headline_fraction: float = 0.3
     ablation_seeds: int = 2
-    arms: tuple[str, ...] = ("full_cut", "random", "paper", "recommended", "oracle")
+    arms: tuple[str, ...] = REAL_ARMS
     recommended: dict = field(default_factory=lambda: {"preset": "recommended"})
     candidates: dict = field(default_factory=dict)  # --choose: name -> cluster_sampling block
-    ablations: bool = True
+    ablations: bool = False
+    equal_steps: bool = False
     gate_only: bool = False
     heldout_per_family: Optional[int] = None
-    max_new_tokens: int = 16
     copy_probe_records: int = 200
+    smollm2: Optional[Path] = SMOLLM2_DIR
+    smollm2_feature_max_length: int = SMOLLM2_FEATURE_MAX_LENGTH
+    skipped: tuple[str, ...] = ()  # arms left out, with the reason (the report repeats it)
     job_timeout_s: float = 4 * 3600
     command: str = "python bench/quality.py"
 
 
+SYNTHETIC_RECIPE: dict[str, Any] = {
+    "instrument": "synthetic", "data": REPO / "ds_cluster" / "toy" / "data" / "default",
+    "results_dir": REPO / "bench" / "results", "epochs": 16, "learning_rate": 1e-3, "max_length": 96,
+    "arms": SYNTHETIC_ARMS, "ablations": True, "smollm2": None}
+
+
+def default_base_model(settings: Settings) -> Path:
+    """The checkpoint every arm fine-tunes: --base-model, else the instrument's own."""
+    if settings.base_model is not None:
+        return Path(settings.base_model)
+    if settings.instrument == "synthetic":
+        from ds_cluster.toy.models import base_model_path
+
+        return Path(base_model_path())
+    from ds_cluster.real import STORIES260K_DIR
+
+    return STORIES260K_DIR
+
+
 # --------------------------------------------------------------------------- data
+def data_file(folder: Path, name: str) -> Path:
+    """FOLDER/NAME.jsonl, else FOLDER/NAME.jsonl.gz (read_jsonl reads either by its bytes)."""
+    for candidate in (folder / f"{name}.jsonl", folder / f"{name}.jsonl.gz"):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{folder}: neither {name}.jsonl nor {name}.jsonl.gz")
+
+
 def carve_validation(records: list[dict], fraction: float = VALIDATION_FRACTION, minimum: int = VALIDATION_MIN,
                      seed: int = SPLIT_SEED) -> tuple[list[dict], list[dict]]:
     """(train, validation): `fraction` of every family (at least `minimum`) held out of train, seeded."""
@@ -95,10 +156,22 @@ def carve_validation(records: list[dict], fraction: float = VALIDATION_FRACTION,
     return ([r for r in records if id(r) not in validation_ids], [r for r in records if id(r) in validation_ids])
 
 
+def categorical_families(records: Sequence[Mapping[str, Any]], top: int = CATEGORICAL_TOP_ANSWERS,
+                         coverage: float = CATEGORICAL_COVERAGE_MIN) -> list[str]:
+    """The families whose answers are labels: their `top` most frequent answers cover >= `coverage` of them."""
+    answers: dict[str, Counter] = defaultdict(Counter)
+    for record in records:
+        answers[str(record.get("family", ""))][str(record.get("output", "")).strip()] += 1
+    return sorted(family for family, counts in answers.items()
+                  if sum(n for _, n in counts.most_common(top)) >= coverage * sum(counts.values()))
+
+
 def prepare_data(settings: Settings) -> dict[str, Any]:
-    """Train / validation / held-out files in the work folder, and the labels-only analyses."""
-    train_all = read_jsonl(settings.data / "train.jsonl")
-    heldout = read_jsonl(settings.data / "heldout.jsonl")
+    """Train / validation / held-out files in the work folder, the labels-only analyses, the near-duplicate groups."""
+    from bench.near_duplicates import compute_groups
+
+    train_all = read_jsonl(data_file(settings.data, "train"))
+    heldout = read_jsonl(data_file(settings.data, "heldout"))
     if not all("family" in r for r in train_all + heldout):
         raise ValueError(f"{settings.data}: every record needs a 'family' field")
     train, validation = carve_validation(train_all)
@@ -117,7 +190,14 @@ def prepare_data(settings: Settings) -> dict[str, Any]:
                          ("families", np.array([families.index(r["family"]) for r in train], dtype=np.int64))):
         (analyses_root / name).mkdir(parents=True, exist_ok=True)
         np.save(analyses_root / name / "labels.npy", labels)
-    return {"paths": paths, "families": families, "sizes": sizes, "num_train": len(train)}
+    near = analyses_root / "near_duplicates"
+    if not (near / "groups.npy").exists():
+        compute_groups(train, near)
+    # The synthetic families are all short exact strings: exact match is scored on every one of them.
+    exact_match = families if settings.instrument == "synthetic" else categorical_families(train)
+    return {"paths": paths, "families": families, "sizes": sizes, "num_train": len(train),
+            "exact_match_families": exact_match,
+            "near_duplicates": json.loads((near / "summary.json").read_text())}
 
 
 # --------------------------------------------------------------------------- arms
@@ -128,49 +208,77 @@ def _arm(name: str, seed: int, analysis: str, block: dict, fraction: Optional[fl
 
 
 def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, dict]]:
-    """Every arm, gate arms first, then seed-major; and the analyses they read."""
+    """Every arm, gate arms first, then seed-major; and the analyses they read.
+
+    Features are extracted once per feature model ("features_own", "features_smollm2"); every k-means
+    analysis clusters them with its own settings and seed; every arm is charged its analysis in full.
+    """
     root = settings.work_dir / "analyses"
     analyses: dict[str, dict] = {"one_cluster": {"path": str(root / "one_cluster")},
                                  "families": {"path": str(root / "families")}}
     whole = {"budget_mode": "proportional", "budget_ratio": 1.0, "selection": "random", "weighting": "none",
              "allocation": "stratified", "loss_reduction": "token"}
+    feature_sources = {"own": {"model": str(default_base_model(settings))}}
+    if settings.smollm2 is not None:
+        feature_sources["smollm2"] = {"model": str(settings.smollm2),
+                                      "feature_max_length": settings.smollm2_feature_max_length}
     arms: list[dict] = []
+
+    def features_of(source: str, block: dict) -> str:
+        name = f"features_{source}_{block.get('feature_kind', 'proxy')}{block.get('feature_dim') or ''}"
+        analyses.setdefault(name, {"path": str(root / name), "source": source, **feature_sources[source],
+                                   "cluster_sampling": {k: block[k] for k in ("feature_kind", "feature_dim",
+                                                                              "normalize_features") if k in block}})
+        return name
 
     def paper_analysis(seed: int) -> str:
         name = f"paper_s{seed}"
-        analyses.setdefault(name, {"path": str(root / name), "cluster_sampling": {"preset": "paper", "seed": seed}})
+        block = {**_expand({"preset": "paper"}), "seed": seed}
+        analyses.setdefault(name, {"path": str(root / name), "cluster_sampling": block,
+                                   "features": features_of("own", block)})
         return name
 
-    def features_analysis(seed: int, block: dict) -> str:
+    def clustering_analysis(seed: int, block: dict, source: str) -> str:
         keys = ("feature_kind", "feature_dim", "num_clusters", "capacity_factor", "kmeans_n_init", "preset")
         tag = "_".join(f"{k}{block[k]}" for k in keys if k in block) or "default"
-        name = f"k_{tag}_s{seed}"
-        analyses.setdefault(name, {"path": str(root / name), "cluster_sampling": {
-            **{k: block[k] for k in keys if k in block}, "seed": seed}})
+        name = f"k_{tag}{'' if source == 'own' else '_' + source}_s{seed}"
+        expanded = {**_expand(block), "seed": seed}
+        analyses.setdefault(name, {"path": str(root / name), "cluster_sampling": expanded,
+                                   "features": features_of(source, expanded)})
         return name
 
-    def subset(kind: str, seed: int, fraction: float, **changes: Any) -> dict:
-        tag = f"{kind}_f{fraction:g}" + "".join(f"_{k}-{v}" for k, v in changes.items())
-        match = {"analysis": paper_analysis(seed), "fraction": fraction}
+    def subset(kind: str, seed: int, fraction: float, steps: bool = False, **changes: Any) -> dict:
+        tag = f"{kind}{'_steps' if steps else ''}_f{fraction:g}" + "".join(f"_{k}-{v}" for k, v in changes.items())
+        extra: dict[str, Any] = {"match": {"analysis": paper_analysis(seed), "fraction": fraction}}
+        if steps:
+            extra["stretch"] = True  # trained to full data's step count
         if kind == "paper":
-            return _arm(tag, seed, match["analysis"], {"preset": "paper", **changes}, fraction, kind, match=match)
+            return _arm(tag, seed, extra["match"]["analysis"], {"preset": "paper", **changes}, fraction, kind, **extra)
         if kind == "random":
-            return _arm(tag, seed, "one_cluster", {**whole, **changes}, fraction, kind, match=match)
+            return _arm(tag, seed, "one_cluster", {**whole, **changes}, fraction, kind, **extra)
         if kind == "oracle":
-            block = {**whole, "budget_mode": "equal", **changes}
-            return _arm(tag, seed, "families", block, fraction, kind, match=match)
+            return _arm(tag, seed, "families", {**whole, "budget_mode": "equal", **changes}, fraction, kind, **extra)
         if kind == "full_cut":
-            return _arm(tag, seed, "one_cluster", whole, fraction, kind, match=match, cut=True)
-        block = {**(settings.candidates.get(kind) or settings.recommended), **changes}
-        return _arm(tag, seed, features_analysis(seed, _expand(block)), block, fraction, kind, match=match)
+            return _arm(tag, seed, "one_cluster", whole, fraction, kind, cut=True, **extra)
+        if kind == "neardup":
+            name = f"neardup_f{fraction:g}_s{seed}"
+            analyses.setdefault(name, {"path": str(root / name), "near_duplicates": str(root / "near_duplicates"),
+                                       "seed": seed})
+            return _arm(tag, seed, name, {**whole, **changes}, fraction, kind, **extra)
+        source = "smollm2" if kind.endswith("_smollm2") else "own"
+        base_kind = kind[:-len("_smollm2")] if source == "smollm2" else kind
+        block = {**(settings.candidates.get(base_kind) or settings.recommended), **changes}
+        if source == "smollm2":
+            block.update(feature_model=feature_sources["smollm2"]["model"],
+                         feature_max_length=feature_sources["smollm2"]["feature_max_length"])
+        return _arm(tag, seed, clustering_analysis(seed, block, source), block, fraction, kind, **extra)
 
-    def full(seed: int, per_epoch: bool = False) -> dict:
-        return _arm("full", seed, "one_cluster", whole, None, "full", epochs=settings.epochs,
-                    per_epoch_validation=per_epoch)
+    def full(seed: int) -> dict:
+        return _arm("full", seed, "one_cluster", whole, None, "full", epochs=settings.epochs)
 
     first = settings.seeds[0]
     gate_random = subset("random", first, 0.3)
-    arms += [full(first, per_epoch=True), gate_random]
+    arms += [full(first), gate_random]
     if settings.gate_only:
         return [dict(arm, epochs=settings.epochs) for arm in arms], analyses
     kinds = list(settings.candidates) if settings.candidates else list(settings.arms)
@@ -180,11 +288,14 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
         for fraction in settings.fractions:
             for kind in (["random"] + kinds if settings.candidates else kinds):
                 arm = subset(kind, seed, fraction)
-                if arm["name"] != gate_random["name"] and arm["name"] not in {a["name"] for a in arms}:
+                if arm["name"] not in {a["name"] for a in arms}:
                     arms.append(arm)
+        if settings.equal_steps and not settings.candidates:
+            for kind in EQUAL_STEPS_KINDS:
+                arms.append(subset(kind, seed, settings.headline_fraction, steps=True))
     if settings.ablations and not settings.candidates:
         for seed in settings.seeds[:settings.ablation_seeds]:
-            # What each difference from the paper is worth (fewer rows keep the default run near 45 min).
+            # What each difference from the paper is worth.
             for kind, changes in (("paper", {"weighting": "none"}), ("paper", {"selection": "random"}),
                                   ("recommended", {"loss_reduction": "sample"})):
                 arms.append(subset(kind, seed, settings.headline_fraction, **changes))
@@ -199,13 +310,37 @@ def _expand(block: dict) -> dict:
     """The block with its preset filled in (the analysis depends on the resolved feature and K settings)."""
     from ds_cluster.config import ClusterSamplingConfig
 
-    return ClusterSamplingConfig.from_dict({**block, "enabled": True}).model_dump(exclude_none=True)
+    expanded = ClusterSamplingConfig.from_dict({**block, "enabled": True}).model_dump(exclude_none=True)
+    return {k: v for k, v in expanded.items() if k not in ("enabled", "analysis_path")}
 
 
 # --------------------------------------------------------------------------- the job
-def write_spec(settings: Settings, data: dict, arms: list[dict], analyses: dict) -> Path:
-    from ds_cluster.toy.models import base_model_path
+def instrument_record(settings: Settings) -> dict[str, Any]:
+    """What a finished arm's numbers depend on besides the arm itself: a rerun into the same work folder
+    must match it, or it would resume on arms measured with another instrument."""
+    train = data_file(settings.data, "train")
+    return {"instrument": settings.instrument, "data": str(Path(settings.data).resolve()),
+            "train_bytes": train.stat().st_size, "base_model": str(default_base_model(settings)),
+            "epochs": settings.epochs, "learning_rate": settings.learning_rate, "adam_eps": settings.adam_eps,
+            "warmup_fraction": settings.warmup_fraction, "max_length": settings.max_length,
+            "micro_batch_size": settings.micro_batch_size, "heldout_per_family": settings.heldout_per_family,
+            "smollm2_feature_max_length": settings.smollm2_feature_max_length}
 
+
+def check_work_dir(settings: Settings) -> None:
+    """Refuse a work folder whose finished arms were measured with another instrument or recipe."""
+    path = settings.work_dir / "instrument.json"
+    record = instrument_record(settings)
+    if path.exists():
+        previous = json.loads(path.read_text())
+        differ = sorted(key for key in set(record) | set(previous) if record.get(key) != previous.get(key))
+        if differ:
+            raise SystemExit(f"{settings.work_dir} holds arms measured with other settings ({', '.join(differ)}): "
+                             "pass another --work-dir or --name, or delete that folder")
+    path.write_text(json.dumps(record, indent=1))
+
+
+def write_spec(settings: Settings, data: dict, arms: list[dict], analyses: dict) -> Path:
     config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
     config.update(train_micro_batch_size_per_gpu=settings.micro_batch_size, gradient_accumulation_steps=1,
                   steps_per_print=10 ** 9)
@@ -213,14 +348,17 @@ def write_spec(settings: Settings, data: dict, arms: list[dict], analyses: dict)
     config["optimizer"]["params"].update(betas=[0.9, 0.95], weight_decay=0.0, eps=settings.adam_eps)
     small = sorted(data["sizes"], key=lambda f: data["sizes"][f])[:len(data["sizes"]) // 2]
     spec = {
-        "work_dir": str(settings.work_dir), "base_model": str(settings.base_model or base_model_path()),
+        "instrument": settings.instrument,
+        "work_dir": str(settings.work_dir), "base_model": str(default_base_model(settings)),
         **{name: str(path) for name, path in data["paths"].items()},
+        "num_train": data["num_train"], "exact_match_families": data["exact_match_families"],
         "ds_config": config, "learning_rate": settings.learning_rate, "warmup_fraction": settings.warmup_fraction,
-        "max_length": settings.max_length, "max_new_tokens": settings.max_new_tokens,
+        "max_length": settings.max_length,
         "copy_probe_records": settings.copy_probe_records, "copy_probe_seed": 12345,
         "evaluate_splits": ["validation"] if settings.candidates else ["validation", "heldout"],
-        "analyses": analyses, "arms": arms, "launched_at": time.time(),
-        "gate": {"full": arms[0]["name"], "random": arms[1]["name"], "small_families": small},
+        "analyses": analyses, "arms": arms, "launched_at": time.time(), "skipped": list(settings.skipped),
+        "gate": {"kind": settings.instrument, "full": arms[0]["name"], "random": arms[1]["name"],
+                 "small_families": small},
         "gate_after": arms[1]["name"],
     }
     path = settings.work_dir / "spec.json"
@@ -252,26 +390,37 @@ def run_job(settings: Settings, spec_path: Path) -> int:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, default=Settings.data, help="folder with train.jsonl and heldout.jsonl")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="folder with train.jsonl[.gz] and heldout.jsonl[.gz] (default: the T0 slice, or the "
+                             "toy mixture with --synthetic)")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="the synthetic instrument: toy tasks, the toy base model, its recipe and gate "
+                             "(a check of the machinery)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: one seed, one fraction, fewer arms")
     parser.add_argument("--choose", action="store_true",
                         help="run the recommended preset's candidates (bench/candidates.json) on validation only")
     parser.add_argument("--seeds", type=int, default=len(Settings.seeds), help="paired seeds (default 4)")
-    parser.add_argument("--work-dir", type=Path, default=None, help="default runs/bench_quality[_NAME]")
-    parser.add_argument("--results-dir", type=Path, default=Settings.results_dir)
+    parser.add_argument("--work-dir", type=Path, default=None, help="default runs/bench_[real_]NAME")
+    parser.add_argument("--results-dir", type=Path, default=None,
+                        help="default bench/results/real (bench/results with --synthetic)")
     parser.add_argument("--name", default="quality", help="results file name: RESULTS_DIR/NAME.{json,md,png}")
     parser.add_argument("--report-only", action="store_true", help="no training: rebuild the report")
     parser.add_argument("--recipe", default="", metavar="K=V,...",
-                        help="override the fine-tune recipe, e.g. learning_rate=2e-3,epochs=12,adam_eps=1e-6 "
+                        help="override the fine-tune recipe, e.g. learning_rate=2e-3,epochs=4,max_length=192 "
                              "(for choosing it on validation with --gate-only; never on held-out)")
     parser.add_argument("--base-model", type=Path, default=None,
-                        help="a Hugging Face checkpoint folder to fine-tune (default: the shipped toy base model)")
+                        help="a Hugging Face checkpoint folder to fine-tune (default: stories260K, or the toy "
+                             "base model with --synthetic)")
     parser.add_argument("--gate-only", action="store_true",
-                        help="only the calibration gate's arms (for a confirmation mixture: bench/README.md)")
+                        help="only the calibration gate's arms (for choosing the recipe: bench/README.md)")
     parser.add_argument("--arms", default=None, metavar="A,B,...",
-                        help=f"the subset arms to run beside full data (default {','.join(Settings.arms)}); "
+                        help=f"the subset arms to run beside full data (known: {','.join(KNOWN_ARMS)}); "
                              "a confirmation run may leave out arms its claim does not use")
+    parser.add_argument("--ablations", action="store_true", help="add the ablation rows (default with --synthetic)")
     parser.add_argument("--no-ablations", action="store_true", help="leave out the ablation rows")
+    parser.add_argument("--equal-steps", action="store_true",
+                        help="add random and recommended at 30%% kept trained to full data's step count (each "
+                             "costs a full-data run)")
     parser.add_argument("--test-epochs", type=int, default=None, help=argparse.SUPPRESS)  # tests only: tiny runs
     return parser.parse_args(argv)
 
@@ -281,20 +430,33 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     name = args.name if args.name != "quality" else (
         "quality_choose" if args.choose else "quality_quick" if args.quick else "quality")
     command = " ".join(["python bench/quality.py"] + (argv if argv is not None else sys.argv[1:]))
-    settings = Settings(data=args.data, results_dir=args.results_dir, results_name=name,
-                        seeds=tuple(range(args.seeds)), command=command,
-                        work_dir=args.work_dir or REPO / "runs" / f"bench_{name}", base_model=args.base_model)
+    settings = Settings(command=command, results_name=name, seeds=tuple(range(args.seeds)))
+    if args.synthetic:
+        settings = replace(settings, **SYNTHETIC_RECIPE)
+    prefix = "bench_" if args.synthetic else "bench_real_"
+    settings = replace(settings, data=args.data or settings.data, base_model=args.base_model,
+                       results_dir=args.results_dir or settings.results_dir,
+                       work_dir=args.work_dir or REPO / "runs" / f"{prefix}{name}")
     if args.quick:
-        settings = replace(settings, seeds=(0,), fractions=(0.3,), arms=("random", "paper", "recommended"),
-                           ablations=False, heldout_per_family=40, copy_probe_records=60)
+        quick_arms = ("random", "paper", "recommended") if args.synthetic else ("random", "recommended", "neardup")
+        settings = replace(settings, seeds=(0,), fractions=(0.3,), arms=quick_arms, ablations=False,
+                           heldout_per_family=40, copy_probe_records=60)
+        if not args.synthetic:
+            settings = replace(settings, skipped=(
+                "recommended_smollm2, paper, oracle and full_cut left out of the quick run (a smoke run: SmolLM2's "
+                "feature extraction alone takes longer than its 10 minutes)",))
     if args.arms is not None:
         arms = tuple(arm for arm in args.arms.split(",") if arm)
-        unknown = sorted(set(arms) - set(Settings.arms))
+        unknown = sorted(set(arms) - set(KNOWN_ARMS))
         if unknown or not arms:
-            raise SystemExit(f"--arms: unknown {unknown or 'empty list'}; choose from {','.join(Settings.arms)}")
+            raise SystemExit(f"--arms: unknown {unknown or 'empty list'}; choose from {','.join(KNOWN_ARMS)}")
         settings = replace(settings, arms=arms)
+    if args.ablations:
+        settings = replace(settings, ablations=True)
     if args.no_ablations:
         settings = replace(settings, ablations=False)
+    if args.equal_steps:
+        settings = replace(settings, equal_steps=True)
     if args.recipe:
         pairs = dict(item.split("=", 1) for item in args.recipe.split(","))
         settings = replace(settings, **{key: type(getattr(settings, key))(value) for key, value in pairs.items()})
@@ -307,26 +469,45 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
         candidates = json.loads((REPO / "bench" / "candidates.json").read_text())
         settings = replace(settings, candidates=candidates, fractions=(settings.headline_fraction,),
                            ablations=False)
-    return settings
+    return with_feature_models(settings)
+
+
+def with_feature_models(settings: Settings) -> Settings:
+    """Drop the SmolLM2 feature arms, saying why, when its checkpoint is not there (or not asked for)."""
+    wanted = [arm for arm in settings.arms if arm.endswith("_smollm2")]
+    if not wanted:
+        return replace(settings, smollm2=None)
+    if settings.smollm2 is not None and (Path(settings.smollm2) / "config.json").is_file():
+        return settings
+    reason = (f"{', '.join(wanted)} skipped: no SmolLM2 checkpoint at {settings.smollm2 or SMOLLM2_DIR} "
+              "(write it with `python -m ds_cluster.real.smollm2 --out .cache/smollm2-135m-instruct`)")
+    logger.warning(reason)
+    return replace(settings, arms=tuple(a for a in settings.arms if a not in wanted), smollm2=None,
+                   skipped=settings.skipped + (reason,))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     from bench.quality_report import write_report
 
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
     settings = settings_from_args(args, argv)
     settings.work_dir.mkdir(parents=True, exist_ok=True)
+    check_work_dir(settings)
+    started = time.time()
     data = prepare_data(settings)
     arms, analyses = build_arms(settings, data)
     spec_path = write_spec(settings, data, arms, analyses)
-    print(f"{len(arms)} arms in one job; work folder {settings.work_dir}", flush=True)
+    logger.info("%s instrument: %s on %s; %d arms in one job; work folder %s", settings.instrument,
+                default_base_model(settings), settings.data, len(arms), settings.work_dir)
+    logger.info("exact match on the label families: %s", ", ".join(data["exact_match_families"]) or "none")
     if not args.report_only:
         code = run_job(settings, spec_path)
         if code != 0:
-            print(f"the benchmark job exited {code}; see {settings.work_dir / 'job.log'}", flush=True)
+            logger.error("the benchmark job exited %d; see %s", code, settings.work_dir / "job.log")
             return code
     report = write_report(settings, data, arms, validation_only=bool(settings.candidates))
-    print(report["markdown_path"], flush=True)
+    logger.info("%s (%.1f min)", report["markdown_path"], (time.time() - started) / 60)
     return 0
 
 

@@ -1,7 +1,13 @@
-"""The quality benchmark's report: paired differences with confidence intervals, time broken down, goals.
+"""The quality benchmark's report: paired differences with confidence intervals, time to target, goals.
 
-Reads WORK/arms/*.json (bench/quality_job.py) and writes RESULTS/NAME.json (every arm and every
-summary), NAME.md (tables) and NAME.png (quality against total time, one point per setting).
+Reads WORK/base.json and WORK/arms/*.json (bench/quality_job.py) and writes RESULTS/NAME.json (every
+arm and every summary), NAME.md (tables) and NAME.png (quality against total time, one point per
+setting, and the first seed's validation curves against total time).
+
+Time to target, per seed: the target is full data's final macro validation loss plus TARGET_SHARE of
+the drop from the base model's to it (within 5% of the base-to-full drop); an arm's time to target is
+its start-up + selection (feature extraction and clustering, or the near-duplicate groups) + training
+loop time until the first epoch-end validation at or below the target; "not reached" otherwise.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+TARGET_SHARE = 0.05
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -28,10 +35,26 @@ def mean_ci(values: Sequence[float]) -> dict[str, float]:
 
 
 def quality(result: dict, split: str) -> dict[str, float]:
-    """Macro and worst-family answer loss and exact match of one arm on one split."""
-    loss, em = result[split]["loss"], result[split]["exact_match"]
+    """Macro and worst-family answer loss, and exact match over the label families, of one arm on one split."""
+    loss, em = result[split]["loss"], result[split].get("exact_match") or {}
     return {"loss_macro": float(np.mean(list(loss.values()))), "loss_worst": float(max(loss.values())),
-            "em_macro": float(np.mean(list(em.values()))), "em_worst": float(min(em.values()))}
+            "em_macro": float(np.mean(list(em.values()))) if em else float("nan"),
+            "em_worst": float(min(em.values())) if em else float("nan")}
+
+
+def macro(by_family: dict[str, float]) -> float:
+    return float(np.mean(list(by_family.values())))
+
+
+def time_to_target(result: dict, base: dict, full: dict, startup: dict, selection: dict) -> dict[str, Any]:
+    """Total time (CPU s over both ranks, and wall s) until the arm's validation loss first reaches the target."""
+    base_loss, full_loss = macro(base["validation"]["loss"]), macro(full["validation"]["loss"])
+    target = full_loss + TARGET_SHARE * (base_loss - full_loss)
+    for point in result.get("validation_curve", []):
+        if macro(point["loss"]) <= target:
+            return {"target": target, "reached": True, "epoch": point["epoch"], **{
+                kind: startup[kind] + selection[kind] + point["loop"][kind] for kind in ("cpu", "wall")}}
+    return {"target": target, "reached": False}
 
 
 def times(result: dict, startup: dict, analyses_cost: dict) -> dict[str, float]:
@@ -56,7 +79,8 @@ def load_results(work: Path, arms: list[dict]) -> dict[str, dict]:
 
 
 def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[str, Any]:
-    """Per setting: quality and time over the seeds; per subset setting: paired differences against random."""
+    """Per setting: quality and time over the seeds, time to target, and paired differences against the
+    random subset of the same size and against full data (same seed)."""
     startup = json.loads((work / "startup.json").read_text()) if (work / "startup.json").exists() else \
         {"wall": 0.0, "cpu": 0.0}
     costs = {}
@@ -69,6 +93,8 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
         if arm["name"] in results:
             by_setting[arm["setting"]][arm["seed"]] = results[arm["name"]]
     full_time = {seed: times(r, startup, costs) for seed, r in by_setting.get("full", {}).items()}
+    base = json.loads((work / "base.json").read_text()) if (work / "base.json").exists() else None
+    no_cost = {"wall": 0.0, "cpu": 0.0}
     settings: dict[str, Any] = {}
     for setting, per_seed in by_setting.items():
         some = next(iter(per_seed.values()))
@@ -83,9 +109,31 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
             entry[f"ratio_{key}"] = mean_ci(ratios)
         entry["time"] = {key: mean_ci([t[key] for t in seed_times.values()]) for key in next(iter(seed_times.values()))}
         entry["per_family"] = {metric: {family: mean_ci([r[split][metric][family] for r in per_seed.values()])
-                                        for family in some[split][metric]} for metric in ("loss", "exact_match")}
+                                        for family in some[split].get(metric) or {}}
+                               for metric in ("loss", "exact_match")}
+        if base is not None and by_setting.get("full"):
+            reached = {seed: time_to_target(r, base, by_setting["full"][seed], startup,
+                                            costs.get(r["arm"]["analysis"], no_cost))
+                       for seed, r in per_seed.items() if seed in by_setting["full"]}
+            full_reached = {seed: time_to_target(by_setting["full"][seed], base, by_setting["full"][seed], startup,
+                                                 no_cost) for seed in reached}
+            hits = [seed for seed, t in reached.items() if t["reached"]]
+            entry["time_to_target"] = {
+                "reached": len(hits), "of": len(reached),
+                "cpu": mean_ci([reached[s]["cpu"] for s in hits]), "wall": mean_ci([reached[s]["wall"] for s in hits]),
+                "ratio_cpu": mean_ci([reached[s]["cpu"] / full_reached[s]["cpu"] for s in hits
+                                      if full_reached[s]["reached"]]),
+                "epoch": mean_ci([reached[s]["epoch"] for s in hits])}
+        full_runs = by_setting.get("full", {})
+        if setting != "full" and full_runs:
+            paired = [s for s in per_seed if s in full_runs]
+            entry["vs_full"] = {metric: mean_ci([quality(per_seed[s], split)[metric]
+                                                 - quality(full_runs[s], split)[metric] for s in paired])
+                                for metric in ("loss_macro", "loss_worst", "em_macro", "em_worst")}
         fraction = some["arm"]["fraction"]
-        baseline_name = f"random_f{fraction:g}" if fraction is not None else None
+        # Equal-steps subsets are paired with the random subset trained to the same steps.
+        baseline_name = (f"random{'_steps' if '_steps_' in setting else ''}_f{fraction:g}"
+                         if fraction is not None else None)
         baseline = by_setting.get(baseline_name) if baseline_name else None
         if baseline and setting != baseline_name:
             paired = [s for s in per_seed if s in baseline]
@@ -101,25 +149,32 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
                          "job_cpu": cost["cpu"], "job_wall": cost["wall"],
                          "extract_over_full_epoch": (cost.get("extract_wall", 0.0) / full_epoch) if full_epoch else None}
                   for name, cost in costs.items()}
-    return {"split": split, "settings": settings, "startup": startup, "selection": extraction}
+    base_row = quality(base, split) if base is not None and split in base else None
+    return {"split": split, "settings": settings, "startup": startup, "selection": extraction, "base": base_row}
 
 
-def _fmt(stat: dict, digits: int = 3) -> str:
+def _fmt(stat: Optional[dict], digits: int = 3) -> str:
     if stat is None or stat["mean"] != stat["mean"]:
         return "—"
     return f"{stat['mean']:.{digits}f}" if stat["ci"] != stat["ci"] else f"{stat['mean']:.{digits}f} ± {stat['ci']:.{digits}f}"
 
 
 def _order(name: str) -> tuple:
-    method_rank = {"full": 0, "full_cut": 1, "random": 2, "oracle": 3, "paper": 4, "recommended": 5}
+    method_rank = {"full": 0, "full_cut": 1, "random": 2, "neardup": 3, "oracle": 4, "paper": 5, "recommended": 6,
+                   "recommended_smollm2": 7, "random_steps": 8, "recommended_steps": 9}
     method = name.split("_f")[0]
-    return (method_rank.get(method, 6), name)
+    return (method_rank.get(method, 10), name)
 
 
 def table(summary: dict, names: list[str]) -> str:
     header = ("| setting | seeds | kept | steps | total / full (CPU) | loop+selection / full (CPU) | answer loss macro "
               "| answer loss worst | exact match macro | exact match worst |")
     lines = [header, "|" + "---|" * 10]
+    if summary.get("base"):
+        b = summary["base"]
+        em = "—" if b["em_macro"] != b["em_macro"] else f"{b['em_macro']:.3f} | {b['em_worst']:.3f}"
+        lines.append(f"| base model | — | — | 0 | — | — | {b['loss_macro']:.3f} | {b['loss_worst']:.3f} | "
+                     + (em if em != "—" else "— | —") + " |")
     for name in names:
         e = summary["settings"][name]
         lines.append(f"| {name} | {len(e['seeds'])} | {_fmt(e['kept_fraction'])} | {e['steps']['mean']:.0f} | "
@@ -140,12 +195,42 @@ def paired_table(summary: dict, names: list[str]) -> str:
     return "\n".join(lines)
 
 
+def full_paired_table(summary: dict, names: list[str]) -> str:
+    lines = ["| setting minus full data (same seed) | seeds | answer loss macro | answer loss worst | "
+             "exact match macro | exact match worst |", "|---|---|---|---|---|---|"]
+    for name in names:
+        e = summary["settings"][name]
+        if "vs_full" in e:
+            v = e["vs_full"]
+            lines.append(f"| {name} | {v['loss_macro']['n']} | {_fmt(v['loss_macro'])} | {_fmt(v['loss_worst'])} | "
+                         f"{_fmt(v['em_macro'])} | {_fmt(v['em_worst'])} |")
+    return "\n".join(lines)
+
+
+def target_table(summary: dict, names: list[str]) -> str:
+    lines = ["| setting | reached (seeds) | epoch reached | time to target, CPU s | wall s | / full data's (CPU) |",
+             "|---|---|---|---|---|---|"]
+    for name in names:
+        t = summary["settings"][name].get("time_to_target")
+        if t is None:
+            continue
+        if not t["reached"]:
+            lines.append(f"| {name} | 0 of {t['of']} | not reached | — | — | — |")
+            continue
+        lines.append(f"| {name} | {t['reached']} of {t['of']} | {_fmt(t['epoch'], 2)} | {_fmt(t['cpu'], 0)} | "
+                     f"{_fmt(t['wall'], 0)} | {_fmt(t['ratio_cpu'])} |")
+    return "\n".join(lines)
+
+
 def family_table(summary: dict, names: list[str], metric: str) -> str:
     families = sorted(next(iter(summary["settings"].values()))["per_family"][metric])
+    if not families:
+        return "(no label families)"
     lines = ["| setting | " + " | ".join(families) + " |", "|---|" + "---|" * len(families)]
     for name in names:
         per = summary["settings"][name]["per_family"][metric]
-        lines.append(f"| {name} | " + " | ".join(f"{per[f]['mean']:.3f}" for f in families) + " |")
+        lines.append(f"| {name} | " + " | ".join(f"{per[f]['mean']:.3f}" if f in per else "—" for f in families)
+                     + " |")
     return "\n".join(lines)
 
 
@@ -159,11 +244,13 @@ def time_table(summary: dict, names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict, names: list[str], path: Path) -> None:
+def plot(summary: dict, names: list[str], path: Path, results: dict, arms: list[dict], costs: dict) -> None:
+    """Quality against total CPU time per setting (two panels), and the first seed's validation curves."""
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(10, 4.2), dpi=100, layout="constrained")
-    for axis, metric, title in zip(figure.subplots(1, 2), ("loss_macro", "loss_worst"),
+    figure = Figure(figsize=(15, 4.2), dpi=100, layout="constrained")
+    axes = figure.subplots(1, 3)
+    for axis, metric, title in zip(axes[:2], ("loss_macro", "loss_worst"),
                                    ("macro answer loss", "worst-family answer loss")):
         for name in names:
             e = summary["settings"][name]
@@ -175,7 +262,21 @@ def plot(summary: dict, names: list[str], path: Path) -> None:
         axis.set_xlabel("total CPU time / full data")
         axis.set_ylabel(f"{title} ({summary['split']})")
         axis.grid(alpha=0.3)
-    figure.axes[0].legend(fontsize=7, loc="best")
+    axes[0].legend(fontsize=7, loc="best")
+    startup = summary["startup"]
+    first_seed = min((arm["seed"] for arm in arms), default=0)
+    for arm in arms:
+        result = results.get(arm["name"])
+        if result is None or arm["seed"] != first_seed or not result.get("validation_curve"):
+            continue
+        offset = startup["cpu"] + costs.get(arm["analysis"], {"cpu": 0.0})["cpu"]
+        curve = result["validation_curve"]
+        axes[2].plot([offset + point["loop"]["cpu"] for point in curve], [macro(point["loss"]) for point in curve],
+                     marker=".", label=arm["setting"])
+    axes[2].set_xlabel(f"total CPU s (seed {first_seed}: start-up + selection + training)")
+    axes[2].set_ylabel("macro validation answer loss, after each epoch")
+    axes[2].grid(alpha=0.3)
+    axes[2].legend(fontsize=6, loc="best")
     figure.savefig(path, format="png", metadata={"Software": None})
 
 
@@ -208,29 +309,58 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
     goal_rows = [] if validation_only else evaluate_goals(summaries["heldout"], settings)
     settings.results_dir.mkdir(parents=True, exist_ok=True)
     base = settings.results_dir / settings.results_name
-    plot(summaries[main_split], names, base.with_suffix(".png"))
+    costs = {arm["analysis"]: json.loads((work / "analyses" / arm["analysis"] / "cost.json").read_text())
+             for arm in arms if (work / "analyses" / arm["analysis"] / "cost.json").exists()}
+    plot(summaries[main_split], names, base.with_suffix(".png"), results, arms, costs)
+    instrument = getattr(settings, "instrument", "synthetic")
+    from bench.quality import default_base_model
+
     lines = [f"# Quality benchmark: {settings.results_name}", "",
              f"Command: `{settings.command}`. Machine: {machine()}.",
+             f"Instrument: {instrument}; base model `{default_base_model(settings)}`.",
              f"Data: `{settings.data}` ({data['num_train']} training records after carving validation; family sizes "
              + ", ".join(f"{f} {n}" for f, n in sorted(data["sizes"].items(), key=lambda kv: -kv[1])) + ").",
-             f"Recipe (chosen on validation): {settings.epochs} epochs, lr {settings.learning_rate}, warmup "
-             f"{settings.warmup_fraction:.0%} then cosine to 0 at each arm's own last step, AdamW (0.9, 0.95), 2 ranks x "
-             f"micro batch {settings.micro_batch_size}, ZeRO-2, one DeepSpeed job for every arm.", ""]
+             f"Recipe: {settings.epochs} epochs, lr {settings.learning_rate}, max length {settings.max_length} tokens, "
+             f"warmup {settings.warmup_fraction:.0%} then cosine to 0 at each arm's own last step, AdamW (0.9, 0.95, "
+             f"eps {settings.adam_eps}), 2 ranks x micro batch {settings.micro_batch_size}, ZeRO-2, one DeepSpeed job "
+             "for every arm.",
+             "Greedy exact match is scored on the label families only: "
+             + (", ".join(data["exact_match_families"]) or "none")
+             + (" (every family: the synthetic answers are short exact strings)." if instrument == "synthetic" else
+                " (a family's 20 most frequent answers cover >= 90% of its training records).")]
+    near = data.get("near_duplicates")
+    if near:
+        lines.append(f"Near-duplicate groups (MinHash on the prompt, word {near['rule']['shingle_words']}-grams, "
+                     f"Jaccard >= {near['rule']['jaccard_threshold']}): {near['groups']} groups over "
+                     f"{near['records']} training records, {near['records_in_shared_groups']} of them in a group of "
+                     f"two or more (largest {near['largest_group']}).")
+    for reason in getattr(settings, "skipped", ()):
+        lines.append(f"Skipped: {reason}.")
+    lines.append("")
     lines += ["## Calibration gate", "", "```", gate["text"] if gate else "(not run)", "```", ""]
     for split in splits:
         s = summaries[split]
         lines += [f"## {split}: every setting (mean ± 95% CI over paired seeds)", "", table(s, names), "",
-                  f"## {split}: paired differences against the random subset of the same size", "",
-                  paired_table(s, names), ""]
+                  f"## {split}: paired differences against the random subset of the same size (equal epochs)", "",
+                  paired_table(s, names), "",
+                  f"## {split}: paired differences against full data (full_cut and *_steps: equal steps)", "",
+                  full_paired_table(s, names), ""]
     s = summaries[main_split]
     lines += [f"## {main_split}: answer loss per family", "", family_table(s, names, "loss"), "",
               f"## {main_split}: exact match per family", "", family_table(s, names, "exact_match"), "",
+              "## Time to target (validation)", "",
+              f"Target per seed: full data's final macro validation loss + {TARGET_SHARE:.0%} of the base-to-full "
+              "drop; time = start-up + selection + training loop until the first epoch-end validation at or below "
+              "it (mean over the seeds that reached it).", "", target_table(summaries["validation"], names), "",
               "## Time (CPU s over both ranks, wall s in brackets; mean over seeds)", "", time_table(s, names), "",
               f"Start-up of the one job: {s['startup']['cpu']:.1f} CPU s ({s['startup']['wall']:.1f} s wall), charged "
-              "to every arm once. Selection = the analysis (forward-only features + k-means), charged in full to "
-              "every arm that reads it: " + "; ".join(
-                  f"{n}: {c['job_cpu']:.1f} CPU s, extraction {c['extract_wall']:.1f} s wall = "
-                  f"{(c['extract_over_full_epoch'] or 0):.2f} of a full-data epoch" for n, c in s["selection"].items()), ""]
+              "to every arm once. Selection = the analysis (forward-only feature extraction, once per feature model, + "
+              "k-means; or the near-duplicate groups), charged in full to every arm that reads it: " + "; ".join(
+                  f"{n}: {c['job_cpu']:.1f} CPU s" + (
+                      f", extraction {c['extract_wall']:.1f} s wall = {(c['extract_over_full_epoch'] or 0):.2f} of a "
+                      "full-data epoch" if c.get("extract_wall") is not None else "")
+                  for n, c in s["selection"].items()) + ("(no arm that reads one has run)" if not s["selection"] else ""),
+              ""]
     shares = [r["time"]["loader_wall"] / max(r["time"]["loop"]["wall"], 1e-9) for r in results.values()
               if "loader_wall" in r["time"]]
     if shares:

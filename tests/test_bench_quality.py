@@ -1,15 +1,19 @@
-"""The quality benchmark end to end on a tiny mixture: one 2-rank DeepSpeed job, the gate, the report.
+"""The quality benchmark: end to end on a tiny mixture (one 2-rank DeepSpeed job, the gate, the report),
+the real-data arms' job spec, the near-duplicate arm's rule, and the gzipped data path.
 
-One epoch cannot pass the calibration gate, so this also checks the rule that matters most: a run
-that misses the gate says so and stops before any method comparison.
+One epoch cannot pass the calibration gate, so the end-to-end test also checks the rule that matters
+most: a run that misses the gate says so and stops before any method comparison.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ds_cluster.toy.tasks import write_mixture
@@ -17,10 +21,44 @@ from ds_cluster.toy.tasks import write_mixture
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _settings(argv: list[str]):
+    from bench import quality
+
+    settings = quality.settings_from_args(quality.parse_args(argv), argv)
+    settings.work_dir.mkdir(parents=True, exist_ok=True)
+    return settings
+
+
+def _spec(settings) -> dict:
+    from bench import quality
+
+    data = quality.prepare_data(settings)
+    arms, analyses = quality.build_arms(settings, data)
+    return json.loads(Path(quality.write_spec(settings, data, arms, analyses)).read_text())
+
+
+def _real_slice(folder: Path, train_per_family: int = 40, heldout_per_family: int = 4) -> Path:
+    """A few records per family of the shipped T0 slice, gzipped like the shipped files."""
+    from ds_cluster.dataset import read_jsonl
+    from ds_cluster.real import T0_DIR
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, per_family in (("train", train_per_family), ("heldout", heldout_per_family)):
+        taken: dict[str, int] = defaultdict(int)
+        kept = []
+        for record in read_jsonl(T0_DIR / f"{name}.jsonl.gz"):
+            if taken[record["family"]] < per_family:
+                taken[record["family"]] += 1
+                kept.append(record)
+        with gzip.open(folder / f"{name}.jsonl.gz", "wt", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(record) + "\n" for record in kept)
+    return folder
+
+
 @pytest.mark.integration
 def test_a_run_that_misses_the_gate_says_so_and_stops(tmp_path):
     write_mixture(tmp_path / "data", seed=5, total=240, heldout_per_family=3)
-    command = [sys.executable, str(REPO / "bench" / "quality.py"), "--data", str(tmp_path / "data"),
+    command = [sys.executable, str(REPO / "bench" / "quality.py"), "--synthetic", "--data", str(tmp_path / "data"),
                "--work-dir", str(tmp_path / "work"), "--results-dir", str(tmp_path / "results"),
                "--name", "tiny", "--seeds", "1", "--test-epochs", "1"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=420)
@@ -41,20 +79,16 @@ def test_a_run_that_misses_the_gate_says_so_and_stops(tmp_path):
 
 
 def test_base_model_flag_reaches_the_job_spec(tmp_path):
-    """--base-model DIR is the checkpoint every arm loads; without it, the shipped base model."""
-    from bench import quality
+    """--base-model DIR is the checkpoint every arm loads; without it, stories260K, or the toy model with --synthetic."""
+    from ds_cluster.real import STORIES260K_DIR
     from ds_cluster.toy.models import base_model_path
 
     write_mixture(tmp_path / "data", seed=5, total=240, heldout_per_family=3)
     for flags, expected in ((["--base-model", str(tmp_path / "other")], str(tmp_path / "other")),
-                            ([], base_model_path())):
-        argv = ["--data", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work"), "--gate-only", *flags]
-        settings = quality.settings_from_args(quality.parse_args(argv), argv)
-        settings.work_dir.mkdir(parents=True, exist_ok=True)
-        data = quality.prepare_data(settings)
-        arms, analyses = quality.build_arms(settings, data)
-        job_spec = json.loads(Path(quality.write_spec(settings, data, arms, analyses)).read_text())
-        assert job_spec["base_model"] == expected
+                            ([], str(STORIES260K_DIR)), (["--synthetic"], base_model_path())):
+        argv = ["--data", str(tmp_path / "data"), "--work-dir", str(tmp_path / f"work{len(flags)}"),
+                "--gate-only", *flags]
+        assert _spec(_settings(argv))["base_model"] == expected
 
 
 def test_arms_flag_runs_only_the_named_arms_beside_full_data(tmp_path):
@@ -64,10 +98,125 @@ def test_arms_flag_runs_only_the_named_arms_beside_full_data(tmp_path):
     write_mixture(tmp_path / "data", seed=5, total=240, heldout_per_family=3)
     argv = ["--data", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work"),
             "--arms", "random,recommended", "--no-ablations"]
-    settings = quality.settings_from_args(quality.parse_args(argv), argv)
-    settings.work_dir.mkdir(parents=True, exist_ok=True)
+    settings = _settings(argv)
     arms, _ = quality.build_arms(settings, quality.prepare_data(settings))
     assert {arm["method"] for arm in arms} == {"full", "random", "recommended"}
     assert len([arm for arm in arms if arm["method"] == "recommended"]) == len(settings.seeds) * len(settings.fractions)
     with pytest.raises(SystemExit, match="oracel"):
         quality.settings_from_args(quality.parse_args(["--arms", "random,oracel"]), [])
+
+
+def test_real_data_arms_job_spec(tmp_path):
+    """The default instrument: stories260K, every arm at 30% and 50% on 4 seeds, features extracted once per
+    feature model, exact match on the label families, SmolLM2's arms only with its checkpoint."""
+    from dataclasses import replace
+
+    from bench import quality
+    from ds_cluster.dataset import read_jsonl
+    from ds_cluster.real import STORIES260K_DIR, T0_DIR
+
+    data = _real_slice(tmp_path / "t0")
+    settings = _settings(["--data", str(data), "--work-dir", str(tmp_path / "work"), "--equal-steps"])
+    assert settings.instrument == "real" and not settings.ablations
+    settings = quality.with_feature_models(replace(settings, arms=quality.REAL_ARMS, smollm2=tmp_path / "absent",
+                                                   skipped=()))
+    assert "recommended_smollm2" not in settings.arms and "absent" in settings.skipped[0]  # skipped, with why
+    spec = _spec(settings)
+    assert spec["base_model"] == str(STORIES260K_DIR) and spec["gate"]["kind"] == "real"
+    assert spec["exact_match_families"] == quality.categorical_families(read_jsonl(spec["train"]))
+    # The rule on the shipped slice's whole training file: the three label families.
+    assert quality.categorical_families(read_jsonl(T0_DIR / "train.jsonl.gz")) == [
+        "paraphrase_identification", "sentiment", "topic_classification"]
+    assert spec["skipped"] == list(settings.skipped)
+    arms = spec["arms"]
+    assert [arm["name"] for arm in arms[:2]] == ["full_s0", "random_f0.3_s0"]  # the gate's arms first
+    for method in ("full_cut", "random", "paper", "recommended", "oracle", "neardup"):
+        assert sorted((a["seed"], a["fraction"]) for a in arms if a["method"] == method and "steps" not in a["setting"]) \
+            == [(seed, fraction) for seed in range(4) for fraction in (0.3, 0.5)], method
+    assert sorted(a["setting"] for a in arms if a.get("stretch")) == ["random_steps_f0.3"] * 4 + \
+        ["recommended_steps_f0.3"] * 4
+    analyses = spec["analyses"]
+    assert [name for name, a in analyses.items() if a.get("source")] == ["features_own_proxy"]
+    clustering = [a for a in analyses.values() if a.get("features")]
+    assert len(clustering) == 8 and {a["features"] for a in clustering} == {"features_own_proxy"}
+    neardup = [a for a in arms if a["method"] == "neardup"]
+    assert all(analyses[a["analysis"]]["seed"] == a["seed"] for a in neardup)
+    assert (tmp_path / "work" / "analyses" / "near_duplicates" / "groups.npy").exists()
+
+    # With a SmolLM2 checkpoint folder, its arms read their own features (extracted once, at its own length).
+    fake = tmp_path / "smollm2"
+    fake.mkdir()
+    (fake / "config.json").write_text("{}")
+    with_smollm2 = quality.with_feature_models(replace(settings, arms=quality.REAL_ARMS, smollm2=fake, skipped=(),
+                                                       equal_steps=False))
+    spec = _spec(with_smollm2)
+    smollm2_arms = [a for a in spec["arms"] if a["method"] == "recommended_smollm2"]
+    assert len(smollm2_arms) == 8
+    assert all(a["cluster_sampling"]["feature_model"] == str(fake) for a in smollm2_arms)
+    sources = {a["source"]: a for a in spec["analyses"].values() if a.get("source")}
+    assert set(sources) == {"own", "smollm2"}
+    assert sources["smollm2"]["feature_max_length"] == quality.SMOLLM2_FEATURE_MAX_LENGTH
+
+
+def test_gzipped_data_is_read_when_plain_is_absent(tmp_path):
+    from bench.quality import data_file
+
+    folder = _real_slice(tmp_path / "data", train_per_family=2, heldout_per_family=1)
+    assert data_file(folder, "train") == folder / "train.jsonl.gz"
+    (folder / "train.jsonl").write_text("")
+    assert data_file(folder, "train") == folder / "train.jsonl"  # the plain file wins when both are there
+    with pytest.raises(FileNotFoundError, match="validation.jsonl.gz"):
+        data_file(folder, "validation")
+    settings = _settings(["--data", str(_real_slice(tmp_path / "gz")), "--work-dir", str(tmp_path / "work")])
+    from bench import quality
+
+    data = quality.prepare_data(settings)
+    assert data["num_train"] + sum(1 for _ in open(data["paths"]["validation"])) == 7 * 40
+
+
+def test_near_duplicate_selection_is_deterministic_and_removes_exact_duplicates():
+    from bench import near_duplicates
+
+    rng = np.random.default_rng(0)
+    vocabulary = [f"word{i}" for i in range(500)]
+    texts = [" ".join(rng.choice(vocabulary, size=30)) for _ in range(60)]
+    texts += texts[:10]  # exact duplicates of records 0..9
+    near = texts[10].split()
+    near[-1] = "changed"  # one word of 30 changed: Jaccard of the 3-gram sets 27 / 29
+    texts.append(" ".join(near))
+    records = [{"instruction": text, "input": "", "output": "x", "family": "f"} for text in texts]
+    groups = near_duplicates.near_duplicate_groups([near_duplicates.prompt_text(r) for r in records])
+    assert all(groups[i] == groups[60 + i] for i in range(10))
+    assert groups[10] == groups[70]
+    assert len(set(groups[:60].tolist())) == 60  # unrelated texts stay apart
+    assert np.array_equal(groups, near_duplicates.near_duplicate_groups(texts))
+    for kept in (20, 60, 71):
+        first = near_duplicates.select_kept(groups, kept, seed=3)
+        assert np.array_equal(first, near_duplicates.select_kept(groups, kept, seed=3))
+        assert first.size == kept and np.unique(first).size == kept
+        if kept <= 60:  # one representative per group while the kept count allows
+            assert np.unique(groups[first]).size == kept
+            assert len({texts[i] for i in first}) == kept  # no exact duplicate kept
+    assert not np.array_equal(near_duplicates.select_kept(groups, 20, seed=3),
+                              near_duplicates.select_kept(groups, 20, seed=4))
+
+
+def test_real_gate_and_time_to_target():
+    from bench.quality_gate import real_gate
+    from bench.quality_report import time_to_target
+
+    base = {"validation": {"loss": {"a": 4.0, "b": 6.0}}}
+    curve = [{"epoch": 1, "loop": {"cpu": 10.0, "wall": 5.0}, "loss": {"a": 2.2, "b": 3.2}},
+             {"epoch": 2, "loop": {"cpu": 20.0, "wall": 10.0}, "loss": {"a": 2.0, "b": 3.0}}]
+    full = {"validation": {"loss": {"a": 2.0, "b": 3.0}}, "validation_loss_per_epoch": [p["loss"] for p in curve],
+            "validation_curve": curve}
+    random30 = {"validation": {"loss": {"a": 2.2, "b": 3.4}}}
+    gate = real_gate(base, full, random30)
+    assert gate["checks"]["full_learns"]["passed"]  # 5.0 -> 2.5
+    assert not gate["checks"]["full_plateau"]["passed"]  # 2.7 -> 2.5 is 7.4%
+    assert gate["checks"]["random30_worse_than_full"]["passed"] and not gate["passed"]
+    # Target 2.5 + 0.05 x 2.5 = 2.625: the first epoch (2.7) misses it, the second reaches it.
+    reached = time_to_target(full, base, full, {"cpu": 1.0, "wall": 1.0}, {"cpu": 2.0, "wall": 2.0})
+    assert reached["reached"] and reached["epoch"] == 2 and reached["cpu"] == 23.0
+    assert not time_to_target({"validation_curve": curve[:1]}, base, full, {"cpu": 0, "wall": 0},
+                              {"cpu": 0, "wall": 0})["reached"]
