@@ -257,7 +257,9 @@ def build_plan(
     cluster_sizes = np.bincount(clusters.labels, minlength=num_clusters).astype(np.int64)
     kept_sizes = cluster_budgets(
         cluster_sizes, config.budget_mode, config.budget_ratio, config.budget_samples,
-        cluster_spreads(clusters.distances, clusters.labels, num_clusters) if has_geometry else None,
+        # Only neyman reads the spreads (0.1 to 0.3 s at N = 10M).
+        cluster_spreads(clusters.distances, clusters.labels, num_clusters)
+        if has_geometry and config.budget_mode == "neyman" else None,
     )
     strategy.check(kept_sizes, shape)
     needs_choice = bool((kept_sizes < cluster_sizes).any())

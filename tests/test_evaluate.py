@@ -62,10 +62,73 @@ def _greedy_by_hand(model, tokenizer, record, max_new_tokens: int) -> str:
 
 def test_batched_left_padded_generation_matches_greedy_by_hand(model_and_tokenizer, heldout):
     model, tokenizer = model_and_tokenizer
-    records = heldout[::3]  # prompts of different lengths in one batch
+    # Prompts of different lengths in one batch; short answers, so the floor of 6 new tokens holds.
+    records = [dict(record, output=record["output"][:2]) for record in heldout[::3]]
+    assert evaluate.generation_budget(tokenizer, records, max_new_tokens=6) == 6
     batched = evaluate.greedy_answers(model, tokenizer, records, max_new_tokens=6, batch_size=len(records))
     assert batched == [_greedy_by_hand(model, tokenizer, record, 6) for record in records]
     assert evaluate.greedy_answers(model, tokenizer, records, max_new_tokens=6, batch_size=1) == batched
+
+
+LONG_ANSWER = "abcdefghij-klmnopqrst-uv"  # 24 characters, 24 tokens: past the old fixed cut of 16
+
+
+def test_generation_runs_to_the_longest_reference_answer_of_the_batch_plus_a_margin(model_and_tokenizer, heldout):
+    model, tokenizer = model_and_tokenizer
+    records = [dict(heldout[0], output=LONG_ANSWER), dict(heldout[1], output="ab")]
+    assert evaluate.answer_token_count(tokenizer, records[0]) == len(LONG_ANSWER) > 16
+    budget = len(LONG_ANSWER) + evaluate.ANSWER_MARGIN_TOKENS
+    assert evaluate.generation_budget(tokenizer, records) == budget
+    assert evaluate.generation_budget(tokenizer, records, max_new_tokens=40) == 40  # a floor, never a cut
+    assert evaluate.generation_budget(tokenizer, records, max_new_tokens=16) == budget
+    # The real model and generate: both records get the batch's budget, as greedy decoding by hand does.
+    answers = evaluate.greedy_answers(model, tokenizer, records, batch_size=2)
+    assert answers == [_greedy_by_hand(model, tokenizer, record, budget) for record in records]
+    assert max(len(tokenizer(answer, add_special_tokens=False)["input_ids"]) for answer in answers) > 16
+    # Alone, the short record's batch gets only its own budget.
+    assert evaluate.greedy_answers(model, tokenizer, records[1:], batch_size=1) == [
+        _greedy_by_hand(model, tokenizer, records[1], 2 + evaluate.ANSWER_MARGIN_TOKENS)]
+
+
+class _AnswerKeyModel(torch.nn.Module):
+    """A model whose greedy output is known: it answers every prompt with its record's reference, then </s>.
+
+    It honours generate's max_new_tokens as Hugging Face does (the end token
+    counts as a new token), and records the budget of every call.
+    """
+
+    def __init__(self, tokenizer, records):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # the evaluation reads the device from a parameter
+        self.tokenizer = tokenizer
+        self.answer_of = {tuple(encode_prompt(tokenizer, r)): tokenizer(r["output"], add_special_tokens=False)
+                          ["input_ids"] + [tokenizer.eos_token_id] for r in records}
+        self.budgets: list[int] = []
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, pad_token_id, eos_token_id, **_):
+        self.budgets.append(max_new_tokens)
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            prompt = tuple(token for token, keep in zip(ids, mask) if keep)
+            rows.append(ids + self.answer_of[prompt][:max_new_tokens])
+        width = max(len(row) for row in rows)
+        return torch.tensor([row + [pad_token_id] * (width - len(row)) for row in rows])
+
+
+def test_exact_match_scores_answers_longer_than_16_tokens(model_and_tokenizer, heldout):
+    _, tokenizer = model_and_tokenizer
+    records = [dict(record, output=LONG_ANSWER[:18 + i % 7]) for i, record in enumerate(heldout[:12])]
+    model = _AnswerKeyModel(tokenizer, records)
+    # The old fixed cut of 16 new tokens scored every one of these right answers wrong.
+    cut = [tokenizer.decode(model.answer_of[tuple(encode_prompt(tokenizer, r))][:16]) for r in records]
+    assert all(value == 0.0 for value in evaluate.score_answers(records, cut).values())
+    scores = evaluate.exact_match_by_family(model, tokenizer, records, batch_size=5)
+    assert scores and all(value == 1.0 for value in scores.values())
+    # One budget per batch: the longest answer among the batch's records (sorted by prompt length) + the margin.
+    order = sorted(range(len(records)), key=lambda i: len(encode_prompt(tokenizer, records[i])))
+    expected = [max(len(records[i]["output"]) for i in order[start:start + 5]) + evaluate.ANSWER_MARGIN_TOKENS
+                for start in range(0, len(records), 5)]
+    assert model.budgets == expected
 
 
 def test_exact_match_counts_correct_answers(heldout):

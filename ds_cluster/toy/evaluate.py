@@ -11,12 +11,19 @@ generation functions (Hugging Face's own switch for that case).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import defaultdict
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from ds_cluster.dataset import IGNORE_INDEX, InstructionDataset, encode_prompt
+
+logger = logging.getLogger(__name__)
+
+# New tokens allowed beyond a batch's longest reference answer: room for the end token and a few
+# tokens of surrounding whitespace (which exact match ignores), so a correct answer is never cut.
+ANSWER_MARGIN_TOKENS = 4
 
 
 @contextlib.contextmanager
@@ -77,12 +84,36 @@ def answer_loss_by_family(model: torch.nn.Module, dataset: InstructionDataset, b
     return mean_by_family([loss for loss, _ in kept], [family for _, family in kept])
 
 
+def answer_token_count(tokenizer: Any, record: Mapping[str, Any]) -> int:
+    """Tokens of the record's reference answer (its "output", without the end token); 0 when it has none."""
+    if "output" not in record:
+        return 0
+    return len(tokenizer(str(record["output"]), add_special_tokens=False)["input_ids"])
+
+
+def generation_budget(tokenizer: Any, records: Sequence[Mapping[str, Any]],
+                      max_new_tokens: Optional[int] = None) -> int:
+    """New tokens to generate for one batch: its longest reference answer + ANSWER_MARGIN_TOKENS.
+
+    `max_new_tokens`, when given, is a floor (records without a reference get
+    that many), never a cut: a fixed budget below an answer's length scored
+    every long answer wrong, however well the model had learnt it.
+    """
+    longest = max((answer_token_count(tokenizer, record) for record in records), default=0)
+    return max(longest + ANSWER_MARGIN_TOKENS, max_new_tokens or 0)
+
+
 def greedy_answers(model: torch.nn.Module, tokenizer: Any, records: Sequence[Mapping[str, Any]],
-                   max_new_tokens: int = 16, batch_size: int = 64, synced_gpus: bool = False) -> list[str]:
+                   max_new_tokens: Optional[int] = None, batch_size: int = 64, synced_gpus: bool = False
+                   ) -> list[str]:
     """The model's greedy answer to every record's prompt (text before the end token), in order.
 
     `model.generate(do_sample=False)` on left-padded prompts; prompts of
     similar length are batched together (less padding, the same answers).
+    Each batch generates until the end token or `generation_budget` new
+    tokens: its longest reference answer plus a margin (at least
+    `max_new_tokens` when given). Under ZeRO-3 with `synced_gpus` the ranks'
+    budgets may differ: generate keeps the finished ranks stepping.
     """
     prompts = [encode_prompt(tokenizer, record) for record in records]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -97,8 +128,10 @@ def greedy_answers(model: torch.nn.Module, tokenizer: Any, records: Sequence[Map
             for row, index in enumerate(chunk):
                 input_ids[row, width - len(prompts[index]):] = torch.tensor(prompts[index])
                 attention_mask[row, width - len(prompts[index]):] = 1
+            budget = generation_budget(tokenizer, [records[i] for i in chunk], max_new_tokens)
+            logger.debug("greedy answers: batch of %d, %d new tokens at most", len(chunk), budget)
             generated = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                       do_sample=False, max_new_tokens=max_new_tokens, synced_gpus=synced_gpus,
+                                       do_sample=False, max_new_tokens=budget, synced_gpus=synced_gpus,
                                        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             for index, row in zip(chunk, generated[:, width:].tolist()):
                 if tokenizer.eos_token_id in row:
@@ -113,9 +146,12 @@ def check_answer(record: Mapping[str, Any], prediction: str) -> bool:
 
 
 def exact_match_by_family(model: torch.nn.Module, tokenizer: Any, records: Sequence[Mapping[str, Any]],
-                          max_new_tokens: int = 16, batch_size: int = 64, synced_gpus: bool = False
+                          max_new_tokens: Optional[int] = None, batch_size: int = 64, synced_gpus: bool = False
                           ) -> dict[str, float]:
-    """Fraction of each family's records whose greedy answer is exactly the gold output."""
+    """Fraction of each family's records whose greedy answer is exactly the gold output.
+
+    Generation runs to each batch's longest gold answer plus a margin (`generation_budget`).
+    """
     return score_answers(records, greedy_answers(model, tokenizer, records, max_new_tokens, batch_size, synced_gpus))
 
 
