@@ -10,8 +10,8 @@ from ds_cluster import ClusterSamplingConfig, Plan, build_plan
 from ds_cluster.analysis_dir import AnalysisDir
 from ds_cluster.integrations.hf import SAMPLER_STATE_FILE
 from tests.launching import REPO, check, run_deepspeed, shm_buffers
-from tests.training import (assert_step_is_the_reference_gradient, assert_trainer_follows_plan, read_trace,
-                            write_gradient_job)
+from tests.training import (TRAIN, assert_step_is_the_reference_gradient, assert_trainer_follows_plan,
+                            read_trace, write_gradient_job)
 
 WORKER = REPO / "tests" / "workers" / "hf_trainer_worker.py"
 WORLD = 2
@@ -69,6 +69,21 @@ def test_each_rank_trains_on_exactly_its_plan_batches(uninterrupted_run: Path, e
     assert (uninterrupted_run / "plan_fingerprint.txt").read_text() == expected_plan.fingerprint()
     assert expected_plan.steps_per_epoch < MAX_STEPS, "the run should cross an epoch boundary"
     assert_trainer_follows_plan(uninterrupted_run, expected_plan, MAX_STEPS, WORLD)
+
+
+@pytest.mark.integration
+def test_the_hook_and_cluster_trainer_train_on_the_same_sequence(uninterrupted_run: Path, small_job: Path,  # noqa: F811
+                                                                 trainer_config: Path, tmp_path: Path):
+    """The same 2-rank job through the DeepSpeed hook (python -m ds_cluster.train) and through ClusterTrainer:
+    one set-up (integrations/plan_setup.py), so the same samples on every rank, micro-batch by micro-batch."""
+    check(run_deepspeed([*TRAIN, "--deepspeed", str(trainer_config), "--model", str(small_job / "model"),
+                         "--data", str(small_job / "train.jsonl"), "--output-dir", str(tmp_path), "--max-length",
+                         "64", "--trace", "--max-steps", str(MAX_STEPS), "--epochs", "3"], nproc=WORLD, timeout=300))
+    for rank in range(WORLD):
+        hook = [record["indices"] for record in read_trace(tmp_path, rank)]
+        trainer = [record["indices"] for record in read_trace(uninterrupted_run, rank)]
+        assert len(hook) == len(trainer) == MAX_STEPS * 2, rank  # accumulation 2 in zero3.json
+        assert hook == trainer, f"rank {rank}: the hook and ClusterTrainer trained on other samples"
 
 
 @pytest.mark.integration
