@@ -143,7 +143,36 @@ def data_file(folder: Path, name: str) -> Path:
 
 def carve_validation(records: list[dict], fraction: float = VALIDATION_FRACTION, minimum: int = VALIDATION_MIN,
                      seed: int = SPLIT_SEED) -> tuple[list[dict], list[dict]]:
-    """(train, validation): `fraction` of every family (at least `minimum`) held out of train, seeded."""
+    """(train, validation): `fraction` of every family (at least `minimum`) held out of train, seeded.
+
+    Records with an `example_id` (the real slices: one underlying example under several templates)
+    go to validation a whole example group at a time, so no example is on both sides.
+    """
+    if not any("example_id" in record for record in records):
+        return _carve_records(records, fraction, minimum, seed)
+    by_family: dict[str, dict[str, list[dict]]] = {}
+    for index, record in enumerate(records):
+        group = str(record.get("example_id", f"#{index}"))
+        by_family.setdefault(str(record.get("family", "")), {}).setdefault(group, []).append(record)
+    rng = random.Random(seed)
+    validation_ids: set[int] = set()
+    for family in sorted(by_family):
+        groups = by_family[family]
+        size = sum(len(members) for members in groups.values())
+        count = min(max(minimum, round(fraction * size)), size // 2)
+        taken = 0
+        for name in rng.sample(sorted(groups), len(groups)):
+            if taken >= count:
+                break
+            if taken + len(groups[name]) > max(count, size // 2):
+                continue  # a large group would take more than half the family
+            validation_ids.update(id(r) for r in groups[name])
+            taken += len(groups[name])
+    return ([r for r in records if id(r) not in validation_ids], [r for r in records if id(r) in validation_ids])
+
+
+def _carve_records(records: list[dict], fraction: float, minimum: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """The split of records without example groups (the synthetic mixtures), as the recorded results used."""
     by_family: dict[str, list[dict]] = {}
     for record in records:
         by_family.setdefault(str(record.get("family", "")), []).append(record)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections import Counter
 from pathlib import Path
@@ -20,9 +21,11 @@ import torch
 
 from ds_cluster.real import FLAN_COT_DIR, STORIES260K_DIR, T0_DIR
 from ds_cluster.real import convert_llama2c, flan_cot, t0
-from ds_cluster.real.slicing import HELDOUT_FILE, TRAIN_FILE, read_jsonl_gz
+from ds_cluster.real.example_groups import normalized_words, word_ngrams
+from ds_cluster.real.slice_output import read_jsonl_gz
+from ds_cluster.real.slicing import HELDOUT_FILE, TRAIN_FILE
 
-FIELDS = ["instruction", "input", "output", "family", "dataset", "template"]
+FIELDS = ["instruction", "input", "output", "family", "dataset", "template", "example_id"]
 T0_COMMIT = "0b26ccaa415992100fa32df62d41b994cf928e23"
 FLAN_COMMIT = "e9e4ec6e2701182c7a91af176f705310da541277"
 MAX_PROMPT_TOKENS, MAX_COMPLETION_TOKENS = 200, 40
@@ -75,9 +78,109 @@ def test_slice_records_distinct_and_fields(slices, name):
         assert record["instruction"] and record["instruction"] == record["instruction"].strip()
         assert record["output"] and record["output"] == record["output"].strip()
         assert "<|endoftext|>" not in record["output"]
+        dataset, number = record["example_id"].rsplit(":", 1)
+        assert dataset == record["dataset"] and number.isdigit()
     pairs = [(r["instruction"], r["output"]) for r in train + heldout]
     assert len(pairs) == len(set(pairs))
     assert not {r["instruction"] for r in heldout} & {r["instruction"] for r in train}
+
+
+# The leak checks below work on the shipped records alone, independently of the rebuild's rule:
+# an "example 8-gram" is a word 8-gram of a prompt that at most EXAMPLE_SHINGLE_RECORDS records of
+# its dataset hold and that is not template text.
+EXAMPLE_SHINGLE_RECORDS = 20
+
+
+def _prompt_shingles(record: dict) -> set[tuple[str, ...]]:
+    return word_ngrams(normalized_words(record["instruction"]), 8)
+
+
+def _example_shingles(records: list[dict], template_text: str) -> list[set[tuple[str, ...]]]:
+    """Per record, its prompt 8-grams that few records of its dataset hold and that are not template text.
+
+    ``template_text``: "repeated" (held by two prompts of one template: template wording and the
+    words next to it recur across a template's prompts, an example's content is rendered once per
+    template) or "majority" (held by at least two and more than half of a template's prompts; what a
+    slice with one template per dataset, FLAN CoT, needs to compare questions inside a template).
+    """
+    shingles = [_prompt_shingles(r) for r in records]
+    counts: dict[str, Counter] = {}
+    template_prompts: dict[tuple[str, str], set[str]] = {}
+    prompts_holding: dict[tuple[str, str, tuple[str, ...]], set[str]] = {}
+    for record, record_shingles in zip(records, shingles):
+        counts.setdefault(record["dataset"], Counter()).update(record_shingles)
+        template_prompts.setdefault((record["dataset"], record["template"]), set()).add(record["instruction"])
+        for shingle in record_shingles:
+            prompts_holding.setdefault((record["dataset"], record["template"], shingle), set()).add(
+                record["instruction"])
+    excluded = {
+        (dataset, shingle)
+        for (dataset, template, shingle), prompts in prompts_holding.items()
+        if len(prompts) >= 2
+        and (template_text == "repeated" or 2 * len(prompts) > len(template_prompts[(dataset, template)]))
+    }
+    return [
+        {s for s in record_shingles
+         if counts[r["dataset"]][s] <= EXAMPLE_SHINGLE_RECORDS and (r["dataset"], s) not in excluded}
+        for r, record_shingles in zip(records, shingles)
+    ]
+
+
+@pytest.mark.parametrize("name", ["t0", "flan_cot"])
+def test_slice_no_example_group_on_both_sides(slices, name):
+    train, heldout = slices[name]
+    assert not {r["example_id"] for r in heldout} & {r["example_id"] for r in train}
+    groups: dict[str, set[tuple[str, str]]] = {}
+    for record in train + heldout:
+        groups.setdefault(record["example_id"], set()).add((record["dataset"], record["family"]))
+    assert all(len(origins) == 1 for origins in groups.values())
+
+
+@pytest.mark.parametrize("name", ["t0", "flan_cot"])
+def test_slice_heldout_answers_not_leaked_with_shared_content(slices, name):
+    """No held-out answer of 3+ words is a train answer of its family whose prompt shares an example 8-gram.
+
+    The split by prompt had 220 such held-out records in T0 (one example under other templates). The
+    same answer alone still recurs across different examples: labels ("They loved it", "Science and
+    technology", "None of the above choices .", "Not at all"), formulas ("How would you describe
+    Jordan?", "do a good job") and one gigaword title given to two wire stories with no 8-gram in common.
+    """
+    train, heldout = slices[name]
+    example_shingles = _example_shingles(train + heldout, "repeated")[len(train):]
+    train_by_answer: dict[tuple[str, str], list[dict]] = {}
+    for record in train:
+        train_by_answer.setdefault((record["family"], record["output"]), []).append(record)
+    leaks = [
+        (record["example_id"], record["output"], match["example_id"])
+        for record, shingles in zip(heldout, example_shingles)
+        if len(record["output"].split()) >= 3
+        for match in train_by_answer.get((record["family"], record["output"]), [])
+        if shingles & _prompt_shingles(match)
+    ]
+    assert leaks == []
+
+
+@pytest.mark.parametrize("name", ["t0", "flan_cot"])
+def test_slice_heldout_prompts_not_near_duplicates_of_train(slices, name):
+    """No held-out prompt shares half of its example 8-grams (Jaccard, 3 at least) with a train prompt of its dataset.
+
+    The split by prompt had 468 in T0 (one example under other templates) and 23 aqua questions in
+    FLAN CoT (one problem with other numbers or options); the split by example group has none above 0.3.
+    """
+    train, heldout = slices[name]
+    shingles = _example_shingles(train + heldout, "majority")
+    train_shingles, heldout_shingles = shingles[: len(train)], shingles[len(train):]
+    holders: dict[tuple[str, tuple[str, ...]], list[int]] = {}
+    for index, (record, record_shingles) in enumerate(zip(train, train_shingles)):
+        for shingle in record_shingles:
+            holders.setdefault((record["dataset"], shingle), []).append(index)
+    near_duplicates = []
+    for record, record_shingles in zip(heldout, heldout_shingles):
+        shared = Counter(i for s in record_shingles for i in holders.get((record["dataset"], s), []))
+        for index, count in shared.items():
+            if count >= 3 and count >= 0.5 * len(record_shingles | train_shingles[index]):
+                near_duplicates.append((record["example_id"], train[index]["example_id"]))
+    assert near_duplicates == []
 
 
 @pytest.mark.parametrize("name", ["t0", "flan_cot"])
@@ -251,16 +354,24 @@ def test_converter_tokenizer_from_sentencepiece_model(tmp_path):
 
 
 def _pick(records: list[dict], per_family: int, ok=lambda r: True) -> list[dict]:
-    """The first ``per_family`` records of every family that pass ``ok``, one per prompt."""
+    """The first ``per_family`` records of every family that pass ``ok``, one per prompt and per example group."""
     taken: Counter = Counter()
     prompts: set[str] = set()
+    groups: set[str] = set()
     picked = []
     for record in records:
-        if ok(record) and taken[record["family"]] < per_family and record["instruction"] not in prompts:
+        if (ok(record) and taken[record["family"]] < per_family and record["instruction"] not in prompts
+                and record["example_id"] not in groups):
             taken[record["family"]] += 1
             prompts.add(record["instruction"])
+            groups.add(record["example_id"])
             picked.append(record)
     return picked
+
+
+def _without_example_id(record: dict) -> str:
+    """The record as sorted JSON, less its ``example_id`` (a rebuild from a fixture numbers groups anew)."""
+    return json.dumps({key: value for key, value in record.items() if key != "example_id"}, sort_keys=True)
 
 
 def _check_rebuild(out_a: Path, out_b: Path, shipped: list[dict], fixture: list[dict], families: int) -> None:
@@ -269,12 +380,17 @@ def _check_rebuild(out_a: Path, out_b: Path, shipped: list[dict], fixture: list[
     readme_a = (out_a / "README.md").read_text(encoding="utf-8").replace(str(out_a), "OUT")
     assert readme_a == (out_b / "README.md").read_text(encoding="utf-8").replace(str(out_b), "OUT")
     train, heldout = read_jsonl_gz(out_a / TRAIN_FILE), read_jsonl_gz(out_a / HELDOUT_FILE)
-    shipped_keys = {json.dumps(r, sort_keys=True) for r in shipped}
-    assert all(json.dumps(r, sort_keys=True) in shipped_keys for r in train + heldout)
-    assert len(train) + len(heldout) == len(fixture)
+    shipped_keys = {_without_example_id(r) for r in shipped}
+    assert all(_without_example_id(r) in shipped_keys for r in train + heldout)
+    # A fixture this small has one or two records a template, so template text passes for content and
+    # links some records of different shipped groups; those held out give up their other records.
+    dropped = re.search(r"the other records of held-out groups, dropped: (\d+)", readme_a)
+    assert dropped and len(train) + len(heldout) + int(dropped.group(1)) == len(fixture)
     assert Counter(r["family"] for r in heldout) == {f: 3 for f in {r["family"] for r in fixture}}
     assert len({r["family"] for r in train}) == families
     assert not {r["instruction"] for r in heldout} & {r["instruction"] for r in train}
+    assert not {r["example_id"] for r in heldout} & {r["example_id"] for r in train}
+    assert all(r["example_id"].startswith(r["dataset"] + ":") for r in train + heldout)
 
 
 def test_t0_rebuild_from_fixture(tmp_path, slices):

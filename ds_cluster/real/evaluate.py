@@ -31,7 +31,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
-from ds_cluster.dataset import IGNORE_INDEX, InstructionDataset, encode_prompt, read_records
+from ds_cluster.dataset import IGNORE_INDEX, InstructionDataset, encode_example, encode_prompt, read_records
 from ds_cluster.fileio import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -188,9 +188,10 @@ def evaluate_model(model: torch.nn.Module, tokenizer: Any, records: Sequence[Map
                    exact_match_groups: Optional[Sequence[str]] = None, batch_size: int = 32) -> dict[str, Any]:
     """Answer loss per group for every record, exact match per group for the label groups, and both summaries."""
     dataset = InstructionDataset(records, tokenizer, max_length=max_length, rank=0)
-    cut = int((dataset.attention_mask.sum(dim=1) >= max_length).sum())
+    cut = sum(len(encode_example(tokenizer, record, sys.maxsize, index)[0]) > max_length
+              for index, record in enumerate(dataset.records))
     if cut:
-        logger.warning("%d of %d records fill max_length %d: they may be cut, and scored on what is left",
+        logger.warning("%d of %d records are longer than max_length %d: they are scored on what is left of them",
                        cut, len(dataset), max_length)
     loss = answer_loss_by_group(model, dataset, batch_size)
     groups = categorical_groups(records) if exact_match_groups is None else list(exact_match_groups)

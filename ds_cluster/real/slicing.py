@@ -8,10 +8,14 @@ Both ``t0`` and ``flan_cot`` read their source into ``SourceRecord`` objects and
    ``max_completion_tokens`` tokens (the stories260K tokenizer, no special tokens),
 3. removes exact duplicates (same prompt and completion; the first in source order is kept),
 4. drops families with fewer than ``min_family_records`` records left,
-5. per family, draws ``heldout_per_family`` distinct prompts (seeded) for the held-out split
-   (one record each); every other record with one of those prompts is dropped, so no held-out
-   prompt appears in train,
-6. samples the same fraction of every family's remaining records so that train has about
+5. groups the records that render the same underlying example (``example_groups.example_group_ids``: one
+   example under several templates, several answers to one prompt, near-duplicate source
+   examples) and stamps every record with its group's ``example_id`` (``"<dataset>:<n>"``),
+6. per family, holds out whole example groups (seeded; at most ``max_heldout_group_share`` of the
+   family's groups and at most ``heldout_per_family``): the held-out split takes their records one
+   group at a time in rounds (one record per group per round) up to ``heldout_per_family`` records,
+   and their other records are dropped, so no example group is on both sides,
+7. samples the same fraction of every family's remaining records so that train has about
    ``train_size`` records (never more than there are): the natural skew between families is kept.
 
 The files are written as gzip'd JSON lines with a fixed gzip header (no name, mtime 0), so a
@@ -19,17 +23,15 @@ rebuild from the same source gives the same bytes.
 """
 from __future__ import annotations
 
-import gzip
-import io
-import json
 import logging
 import random
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
 
 from tqdm import tqdm
+
+from ds_cluster.real.example_groups import example_group_ids
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +50,10 @@ class SourceRecord:
     dataset: str
     template: str
     extra: tuple[tuple[str, str], ...] = ()  # further fields written after the standard ones
+    example_id: str = ""  # "<dataset>:<n>", set by build_slice (example_group_ids)
 
     def to_alpaca(self) -> dict[str, str]:
-        """The shipped record: Alpaca fields, then family, dataset, template and any extra fields."""
+        """The shipped record: Alpaca fields, then family, dataset, template, example_id and any extra fields."""
         record = {
             "instruction": self.prompt,
             "input": "",
@@ -58,6 +61,7 @@ class SourceRecord:
             "family": self.family,
             "dataset": self.dataset,
             "template": self.template,
+            "example_id": self.example_id,
         }
         record.update(dict(self.extra))
         return record
@@ -73,6 +77,7 @@ class SliceSettings:
     train_size: int = 9000
     min_family_records: int = 500
     seed: int = 0
+    max_heldout_group_share: float = 0.5  # held-out takes at most this share of a family's example groups
 
 
 @dataclass
@@ -84,6 +89,11 @@ class SliceReport:
     too_long_dropped: int = 0
     duplicates_dropped: int = 0
     families_dropped: dict[str, int] = field(default_factory=dict)
+    example_groups_per_family: dict[str, int] = field(default_factory=dict)
+    example_groups_per_dataset: dict[str, int] = field(default_factory=dict)
+    records_in_shared_groups: int = 0  # records whose example group holds more than one record
+    heldout_groups_per_family: dict[str, int] = field(default_factory=dict)
+    heldout_group_records_dropped: int = 0  # records of held-out groups beyond the held-out records
     heldout_prompt_duplicates_dropped: int = 0
     pool_per_family: dict[str, int] = field(default_factory=dict)
     train_per_family: dict[str, int] = field(default_factory=dict)
@@ -113,9 +123,12 @@ def count_tokens(texts: Sequence[str], tokenizer: Any, description: str = "token
 def build_slice(
     records: Sequence[SourceRecord], tokenizer: Any, settings: SliceSettings
 ) -> tuple[list[SourceRecord], list[SourceRecord], SliceReport]:
-    """Filter, deduplicate and split ``records`` (in source order) into (train, held-out, report)."""
+    """Filter, deduplicate, group and split ``records`` (in source order) into (train, held-out, report)."""
     report = SliceReport(source_records=len(records))
-    by_family = _drop_small_families(_filter_records(records, tokenizer, settings, report), settings, report)
+    kept = _filter_records(records, tokenizer, settings, report)
+    kept = [replace(record, example_id=example_id) for record, example_id in zip(kept, example_group_ids(kept))]
+    by_family = _drop_small_families(kept, settings, report)
+    _count_example_groups(by_family, report)
     heldout, pools = _split_heldout(by_family, settings, report)
     train = _sample_train(pools, settings, report)
     report.train_per_dataset = dict(sorted(Counter(r.dataset for r in train).items()))
@@ -167,31 +180,56 @@ def _drop_small_families(
     return dict(by_family)
 
 
+def _count_example_groups(by_family: dict[str, list[SourceRecord]], report: SliceReport) -> None:
+    """Example groups per family and per dataset, and the records that share their group, into ``report``."""
+    sizes = Counter(r.example_id for records in by_family.values() for r in records)
+    for family, records in sorted(by_family.items()):
+        report.example_groups_per_family[family] = len({r.example_id for r in records})
+    datasets = Counter(example_id.rsplit(":", 1)[0] for example_id in sizes)
+    report.example_groups_per_dataset = dict(sorted(datasets.items()))
+    report.records_in_shared_groups = sum(size for size in sizes.values() if size > 1)
+    logger.info("example groups: %d for %d records (%d records share their group)",
+                len(sizes), sum(sizes.values()), report.records_in_shared_groups)
+
+
 def _split_heldout(
     by_family: dict[str, list[SourceRecord]], settings: SliceSettings, report: SliceReport
 ) -> tuple[list[SourceRecord], dict[str, list[SourceRecord]]]:
-    """(held-out: ``heldout_per_family`` distinct prompts per family, one record each; the train pool per family).
+    """(held-out records from whole example groups, per family; the train pool per family).
 
-    The pool has no record whose prompt is held out, in any family; it is shuffled (seeded).
+    Per family the example groups are shuffled (seeded) and the first
+    ``min(heldout_per_family, max_heldout_group_share * groups)`` are held out. Held-out takes their
+    records in rounds, one record of every held-out group a round (each group's records in a seeded
+    order), until it has ``heldout_per_family`` records or the groups run out; the rest of those
+    groups' records are dropped. The pool is every record of the other groups, less any record whose
+    prompt is held out in another family; it is shuffled (seeded).
     """
     heldout: list[SourceRecord] = []
     pools: dict[str, list[SourceRecord]] = {}
     for family in sorted(by_family):
-        family_records = by_family[family]
+        groups: dict[str, list[SourceRecord]] = defaultdict(list)
+        for record in by_family[family]:
+            groups[record.example_id].append(record)
+        group_ids = sorted(groups)
+        group_count = min(settings.heldout_per_family, int(len(group_ids) * settings.max_heldout_group_share))
+        if group_count < 1:
+            raise ValueError(f"family {family}: {len(group_ids)} example groups, too few to hold any out")
         rng = random.Random(f"{settings.seed}/{family}")
-        prompts = sorted({r.prompt for r in family_records})
-        if len(prompts) < settings.heldout_per_family + 1:
-            raise ValueError(f"family {family}: {len(prompts)} distinct prompts, need > {settings.heldout_per_family}")
-        rng.shuffle(prompts)
-        chosen = set(prompts[: settings.heldout_per_family])
-        taken: set[str] = set()
-        for record in family_records:
-            if record.prompt in chosen and record.prompt not in taken:
-                taken.add(record.prompt)
-                heldout.append(record)
-        pools[family] = [r for r in family_records if r.prompt not in chosen]
-        report.heldout_prompt_duplicates_dropped += len(family_records) - len(pools[family]) - len(chosen)
-        report.heldout_per_family[family] = len(chosen)
+        rng.shuffle(group_ids)
+        queues = [rng.sample(groups[example_id], len(groups[example_id])) for example_id in group_ids[:group_count]]
+        family_heldout: list[SourceRecord] = []
+        for round_number in range(max(len(queue) for queue in queues)):
+            for queue in queues:
+                if round_number < len(queue) and len(family_heldout) < settings.heldout_per_family:
+                    family_heldout.append(queue[round_number])
+        heldout.extend(family_heldout)
+        report.heldout_per_family[family] = len(family_heldout)
+        report.heldout_groups_per_family[family] = group_count
+        report.heldout_group_records_dropped += sum(len(queue) for queue in queues) - len(family_heldout)
+        pools[family] = [r for example_id in group_ids[group_count:] for r in groups[example_id]]
+        if len(family_heldout) < settings.heldout_per_family:
+            logger.warning("family %s: %d held-out records from %d example groups (fewer than %d)",
+                           family, len(family_heldout), group_count, settings.heldout_per_family)
     heldout_prompts = {r.prompt for r in heldout}  # a prompt may recur in another family
     for family, pool in pools.items():
         kept = [r for r in pool if r.prompt not in heldout_prompts]
@@ -222,158 +260,3 @@ def _sample_train(
     random.Random(f"{settings.seed}/order").shuffle(train)
     logger.info("train: %.3f of each family's pool", fraction)
     return train
-
-
-def write_jsonl_gz(path: Path, rows: Iterable[dict[str, Any]]) -> None:
-    """Write JSON lines, gzip'd with a fixed header (no file name, mtime 0) so equal rows give equal bytes."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    buffer = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, compresslevel=9, mtime=0) as handle:
-        handle.write(text.encode("utf-8"))
-    path.write_bytes(buffer.getvalue())
-
-
-def read_jsonl_gz(path: Path) -> list[dict[str, Any]]:
-    """Read a file written by ``write_jsonl_gz`` (or any gzip'd JSON lines)."""
-    with gzip.open(path, "rt", encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
-
-
-def write_slice(out_dir: Path, train: Sequence[SourceRecord], heldout: Sequence[SourceRecord]) -> None:
-    """Write ``train.jsonl.gz`` and ``heldout.jsonl.gz`` into ``out_dir``."""
-    write_jsonl_gz(Path(out_dir) / TRAIN_FILE, (r.to_alpaca() for r in train))
-    write_jsonl_gz(Path(out_dir) / HELDOUT_FILE, (r.to_alpaca() for r in heldout))
-
-
-def family_table(report: SliceReport) -> str:
-    """A Markdown table of the records per family: filtered pool, train, held-out."""
-    families = sorted(report.train_per_family, key=lambda f: (-report.train_per_family[f], f))
-    lines = ["| family | train | held-out | train pool after the filter |", "| --- | ---: | ---: | ---: |"]
-    for family in families:
-        lines.append(
-            f"| {family} | {report.train_per_family[family]} | {report.heldout_per_family[family]} "
-            f"| {report.pool_per_family[family]} |"
-        )
-    lines.append(
-        f"| **total** | {sum(report.train_per_family.values())} | {sum(report.heldout_per_family.values())} "
-        f"| {sum(report.pool_per_family.values())} |"
-    )
-    return "\n".join(lines)
-
-
-def dataset_table(report: SliceReport, dataset_families: dict[str, str]) -> str:
-    """A Markdown table of the train records per dataset, with each dataset's family."""
-    lines = ["| dataset | family | train |", "| --- | --- | ---: |"]
-    for dataset, count in sorted(report.train_per_dataset.items(), key=lambda item: (-item[1], item[0])):
-        lines.append(f"| {dataset} | {dataset_families[dataset]} | {count} |")
-    return "\n".join(lines)
-
-
-def skew(counts: dict[str, int]) -> float:
-    """Largest over smallest count."""
-    return max(counts.values()) / min(counts.values())
-
-
-def report_lines(report: SliceReport, settings: SliceSettings) -> str:
-    """The filter and the counts along the way, as Markdown bullet points."""
-    dropped = ", ".join(f"{f} ({n} left)" for f, n in report.families_dropped.items()) or "none"
-    return "\n".join(
-        [
-            f"- source records read: {report.source_records}",
-            f"- dropped with an empty prompt or completion: {report.empty_dropped}",
-            f"- dropped by the length filter (prompt > {settings.max_prompt_tokens} or completion > "
-            f"{settings.max_completion_tokens} stories260K tokens, no special tokens): {report.too_long_dropped}",
-            f"- exact duplicates (prompt and completion) dropped: {report.duplicates_dropped}",
-            f"- families dropped (< {settings.min_family_records} records after the filter): {dropped}",
-            f"- other records sharing a held-out prompt, dropped: {report.heldout_prompt_duplicates_dropped}",
-            f"- train skew (largest / smallest family): {skew(report.train_per_family):.2f}x",
-            f"- seed {settings.seed}; held-out {settings.heldout_per_family} prompts per family; train sampled to "
-            f"{settings.train_size} records at one fraction for every family",
-        ]
-    )
-
-
-def add_slice_arguments(parser: Any, defaults: SliceSettings) -> None:
-    """The ``SliceSettings`` options of the rebuild commands."""
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--heldout-per-family", type=int, default=defaults.heldout_per_family)
-    parser.add_argument("--train-size", type=int, default=defaults.train_size)
-    parser.add_argument("--min-family-records", type=int, default=defaults.min_family_records)
-    parser.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
-    parser.add_argument("--max-completion-tokens", type=int, default=defaults.max_completion_tokens)
-
-
-def settings_from_arguments(args: Any) -> SliceSettings:
-    """``SliceSettings`` from parsed ``add_slice_arguments`` options."""
-    return SliceSettings(
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_completion_tokens=args.max_completion_tokens,
-        heldout_per_family=args.heldout_per_family,
-        train_size=args.train_size,
-        min_family_records=args.min_family_records,
-        seed=args.seed,
-    )
-
-
-def command_line(module: str, args: Any, defaults: SliceSettings) -> str:
-    """The command that rebuilds a slice, with the options that differ from the defaults."""
-    parts = [f"python -m {module} --source SOURCE --out {args.out}"]
-    if getattr(args, "source_commit", None):
-        parts.append(f"--source-commit {args.source_commit}")
-    for name in ("seed", "heldout_per_family", "train_size", "min_family_records", "max_prompt_tokens",
-                 "max_completion_tokens"):
-        value = getattr(args, name)
-        if value != getattr(defaults, name):
-            parts.append(f"--{name.replace('_', '-')} {value}")
-    return " ".join(parts)
-
-
-def slice_parser(description: str, source_help: str, defaults: SliceSettings) -> Any:
-    """The rebuild command line every slice shares: --source, --out, --source-commit and the slice settings."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--source", type=Path, required=True, help=source_help)
-    parser.add_argument("--out", type=Path, required=True, help="output folder")
-    parser.add_argument("--source-commit", default=None, help="commit id of the source, recorded in the README")
-    add_slice_arguments(parser, defaults)
-    return parser
-
-
-def rebuild_slice(args: Any, records: Sequence[SourceRecord], module: str, defaults: SliceSettings
-                  ) -> tuple[SliceReport, SliceSettings, str]:
-    """Filter, split and write the slice the parsed `args` ask for: (report, settings, the command to rebuild it)."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    settings = settings_from_arguments(args)
-    train, heldout, report = build_slice(records, load_stories260k_tokenizer(), settings)
-    write_slice(args.out, train, heldout)
-    return report, settings, command_line(module, args, defaults)
-
-
-def write_readme(out_dir: Path, text: str, report: SliceReport) -> None:
-    (Path(out_dir) / "README.md").write_text(text, encoding="utf-8")
-    logger.info("train per family %s (skew %.2fx)", report.train_per_family, skew(report.train_per_family))
-
-
-def split_and_rebuild_sections(report_markdown: str, table: str, command: str, source_path: str,
-                               after_table: str = "") -> str:
-    """The README's "Filter and split" and "Rebuild" sections, the same for every slice."""
-    return f"""## Filter and split
-
-{report_markdown}
-
-Record counts per family (train is one uniform fraction of each family's pool, so the natural
-skew after the length filter is kept; held-out is the same number of distinct prompts per family):
-
-{table}
-{after_table}
-## Rebuild
-
-```
-{command}
-```
-
-`SOURCE` is the fetched `{source_path}` folder. The output is byte-identical for the same source and options.
-"""
