@@ -45,7 +45,7 @@ ANSWER_MARGIN_TOKENS = 4
 
 
 @contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
     """Eval mode and no autograd inside; the caller's mode restored after."""
     was_training = model.training
     model.eval()
@@ -90,7 +90,7 @@ def answer_nll(model: torch.nn.Module, dataset: InstructionDataset, batch_size: 
     lengths = dataset.attention_mask.sum(dim=1).tolist()
     result = torch.full((len(dataset),), float("nan"))
     batches = _length_batches(lengths, batch_size)
-    with _eval_mode(model):
+    with eval_mode(model):
         for rows in tqdm(batches, desc="answer loss", unit="batch", disable=None):
             width = max(max(lengths[i] for i in rows), 2)
             index = torch.tensor(rows)
@@ -139,7 +139,7 @@ def greedy_answers(model: torch.nn.Module, tokenizer: Any, records: Sequence[Map
     prompts = [encode_prompt(tokenizer, record, index) for index, record in enumerate(records)]
     answers = [""] * len(records)
     device = next(model.parameters()).device
-    with _eval_mode(model):
+    with eval_mode(model):
         for rows in tqdm(_length_batches([len(p) for p in prompts], batch_size), desc="greedy answers",
                          unit="batch", disable=None):
             width = max(len(prompts[i]) for i in rows)

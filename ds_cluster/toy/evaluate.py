@@ -10,33 +10,17 @@ generation functions (Hugging Face's own switch for that case).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import defaultdict
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
 from ds_cluster.dataset import IGNORE_INDEX, InstructionDataset, encode_prompt
+# The evaluation pieces both worlds share: the answer margin and the eval-mode context.
+from ds_cluster.real.evaluate import ANSWER_MARGIN_TOKENS, eval_mode
 
 logger = logging.getLogger(__name__)
-
-# New tokens allowed beyond a batch's longest reference answer: room for the end token and a few
-# tokens of surrounding whitespace (which exact match ignores), so a correct answer is never cut.
-ANSWER_MARGIN_TOKENS = 4
-
-
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Eval mode and no autograd inside, the caller's mode restored after."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
-
 
 def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
@@ -59,7 +43,7 @@ def answer_loss(model: torch.nn.Module, dataset: InstructionDataset, batch_size:
     """
     device = _device_of(model)
     losses = []
-    with _eval_mode(model):
+    with eval_mode(model):
         for start in range(0, len(dataset), batch_size):
             input_ids = dataset.input_ids[start:start + batch_size].to(device)
             attention_mask = dataset.attention_mask[start:start + batch_size].to(device)
@@ -119,7 +103,7 @@ def greedy_answers(model: torch.nn.Module, tokenizer: Any, records: Sequence[Map
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[str] = [""] * len(prompts)
     device = _device_of(model)
-    with _eval_mode(model):
+    with eval_mode(model):
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
             width = max(len(prompts[i]) for i in chunk)
