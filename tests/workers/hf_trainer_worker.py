@@ -59,7 +59,8 @@ def training_arguments(config_path: str, out: Path, max_steps: int, save_steps: 
     return TrainingArguments(**argument_values(config_path, out, max_steps, save_steps))
 
 
-def main() -> None:
+def worker_arguments() -> argparse.Namespace:
+    """The command line of a traced trainer run (this worker's and the TRL worker's)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--deepspeed", required=True)
     parser.add_argument("--model", required=True)
@@ -69,7 +70,11 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, required=True)
     parser.add_argument("--resume", default=None, help="checkpoint folder to resume from")
     parser.add_argument("--local_rank", type=int, default=-1)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = worker_arguments()
     out = Path(args.out)
     # TrainingArguments first: it starts the process group and, under ZeRO-3, makes the model build partitioned.
     training_args = training_arguments(args.deepspeed, out, args.max_steps, args.save_steps)

@@ -11,7 +11,6 @@ summary and settings, what computing the analysis cost, Trainer's log history).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from ds_cluster import distributed  # noqa: E402
 from ds_cluster.dataset import format_prompt, read_jsonl  # noqa: E402
 from ds_cluster.integrations.trl import ClusterSFTTrainer  # noqa: E402
 from ds_cluster.models import load_model_and_tokenizer  # noqa: E402
-from tests.workers.hf_trainer_worker import TraceMixin, argument_values  # noqa: E402
+from tests.workers.hf_trainer_worker import TraceMixin, argument_values, worker_arguments  # noqa: E402
 
 
 class TracingClusterSFTTrainer(TraceMixin, ClusterSFTTrainer):
@@ -49,16 +48,7 @@ def prompt_completion_dataset(path: str) -> datasets.Dataset:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--deepspeed", required=True)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--data", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--max-steps", type=int, required=True)
-    parser.add_argument("--save-steps", type=int, required=True)
-    parser.add_argument("--resume", default=None, help="checkpoint folder to resume from")
-    parser.add_argument("--local_rank", type=int, default=-1)
-    args = parser.parse_args()
+    args = worker_arguments()
     out = Path(args.out)
     # SFTConfig first: it starts the process group and, under ZeRO-3, makes the model build partitioned.
     training_args = sft_config(args.deepspeed, out, args.max_steps, args.save_steps)
