@@ -81,15 +81,21 @@ def main() -> None:
     model, tokenizer = load_model_and_tokenizer(args.model)
     dataset = load_instruction_dataset(args.data, tokenizer, max_length=64)
     trainer = TracingClusterTrainer(model=model, args=training_args, train_dataset=dataset)
+    train_traced(trainer, out, args.resume)
+    del trainer
+    distributed.shutdown()
+
+
+def train_traced(trainer: Any, out: Path, resume: Any) -> int:
+    """Train with a per-rank trace in OUT/trace; rank 0 writes the plan's fingerprint. Returns the rank."""
     (out / "trace").mkdir(parents=True, exist_ok=True)
     # The process group's rank: Accelerate counts one process for DeepSpeed on CPU.
     rank = distributed.get_rank()
     trainer.trace_path = out / "trace" / f"rank{rank}.jsonl"
-    trainer.train(resume_from_checkpoint=args.resume)
+    trainer.train(resume_from_checkpoint=resume)
     if rank == 0:
         (out / "plan_fingerprint.txt").write_text(trainer.plan.fingerprint())
-    del trainer
-    distributed.shutdown()
+    return rank
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ from ds_cluster import distributed  # noqa: E402
 from ds_cluster.dataset import format_prompt, read_jsonl  # noqa: E402
 from ds_cluster.integrations.trl import ClusterSFTTrainer  # noqa: E402
 from ds_cluster.models import load_model_and_tokenizer  # noqa: E402
-from tests.workers.hf_trainer_worker import TraceMixin, argument_values, worker_arguments  # noqa: E402
+from tests.workers.hf_trainer_worker import (TraceMixin, argument_values, train_traced,  # noqa: E402
+                                            worker_arguments)
 
 
 class TracingClusterSFTTrainer(TraceMixin, ClusterSFTTrainer):
@@ -55,13 +56,7 @@ def main() -> None:
     model, tokenizer = load_model_and_tokenizer(args.model)
     trainer = TracingClusterSFTTrainer(model=model, args=training_args, processing_class=tokenizer,
                                        train_dataset=prompt_completion_dataset(args.data))
-    (out / "trace").mkdir(parents=True, exist_ok=True)
-    # The process group's rank: Accelerate counts one process for DeepSpeed on CPU.
-    rank = distributed.get_rank()
-    trainer.trace_path = out / "trace" / f"rank{rank}.jsonl"
-    trainer.train(resume_from_checkpoint=args.resume)
-    if rank == 0:
-        (out / "plan_fingerprint.txt").write_text(trainer.plan.fingerprint())
+    if train_traced(trainer, out, args.resume) == 0:
         (out / "run.json").write_text(json.dumps({
             "num_rows": len(trainer.train_dataset), "plan": trainer.plan.summary(), "settings": trainer.plan.settings,
             "analysis_timings": trainer.cluster_loader.analysis_timings, "log_history": trainer.state.log_history}))
