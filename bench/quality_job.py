@@ -39,6 +39,7 @@ from ds_cluster import distributed  # noqa: E402
 from ds_cluster.dataset import InstructionDataset, read_jsonl, trim_padding_collate  # noqa: E402
 from ds_cluster.fileio import write_json_atomic  # noqa: E402
 from ds_cluster.schedules import warmup_cosine  # noqa: E402
+from ds_cluster.selection import FEATURE_SELECTIONS  # noqa: E402
 
 EVALUATION_BATCH = 32
 
@@ -172,7 +173,7 @@ def ensure_clustering(analysis: dict, features: dict, spec: dict, train: Instruc
                 names, counts = category_counts(labels, train.categories, num_clusters)
                 arrays = {"labels.npy": labels, "distances.npy": distances, "empty_mask.npy": empty,
                           "centroids.npy": np.asarray(clusters.centroids, dtype=np.float32)}
-                if settings.selection in ("kcenter", "norm"):  # the selections that read the features themselves
+                if settings.selection in FEATURE_SELECTIONS:
                     arrays["features.npy"] = points
                 own = clock.read()
                 summary = {"num_samples": len(train), "num_clusters": num_clusters,

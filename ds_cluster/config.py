@@ -55,7 +55,10 @@ class ClusterSamplingConfig(BaseModel):
     budget_mode: Literal["min", "proportional", "equal", "neyman"] = RECOMMENDED_PRESET["budget_mode"]
     budget_ratio: float = Field(1.0, gt=0.0, le=1.0)
     budget_samples: Optional[int] = Field(None, ge=1)
-    selection: Literal["peripheral", "core", "random", "mix", "norm", "spread", "kcenter"] = RECOMMENDED_PRESET["selection"]
+    selection: Literal["peripheral", "core", "random", "mix", "norm", "spread", "kcenter", "semdedup"] = (
+        RECOMMENDED_PRESET["selection"])
+    # semdedup: cosine similarity at or above which a sample is a near-duplicate of one read before it.
+    dedup_similarity: float = Field(0.95, gt=0.0, le=1.0)
     capacity_factor: Optional[float] = Field(RECOMMENDED_PRESET["capacity_factor"], ge=1.0)
     capacity_neighbors: int = Field(8, ge=1)
     kmeans_n_init: int = Field(10, ge=1)
@@ -64,6 +67,8 @@ class ClusterSamplingConfig(BaseModel):
     sharded_clustering: bool = False
     allocation: Literal["stratified", "cluster_per_rank"] = "stratified"
     weighting: Literal["cluster", "none"] = RECOMMENDED_PRESET["weighting"]
+    # t in ((n_c/N) / (s_c/S)) ** t: 1 the unbiased weights, 0 none; between, less variance for some bias.
+    weight_temperature: float = Field(1.0, ge=0.0, le=1.0)
     loss_reduction: Literal["sample", "token"] = RECOMMENDED_PRESET["loss_reduction"]
     seed: int = Field(1234, ge=0)
     analysis_path: Optional[str] = None

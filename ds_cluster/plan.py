@@ -24,12 +24,16 @@ from ds_cluster.clustering import (ClusterResult, cluster_by_config, cluster_fro
                                    validate_features)
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.fileio import replace_dir, staging_dir, write_json_atomic, write_npy_atomic
-from ds_cluster.selection import cluster_budgets, cluster_spreads, sample_weights, select_in_clusters
+from ds_cluster.selection import (FEATURE_SELECTIONS, cluster_budgets, cluster_spreads, sample_weights,
+                                  select_in_clusters)
 
 logger = logging.getLogger(__name__)
 
 PLAN_FORMAT = 1
 _ARRAYS = ("labels", "centroids", "distances", "selected", "weights", "cluster_sizes", "kept_sizes")
+# Config keys added after plans were first fingerprinted: in a plan's settings (and so its fingerprint) only when
+# set away from their defaults, so a plan built without them keeps its fingerprint and its checkpoints resume.
+_KEYS_RECORDED_WHEN_SET = ("weight_temperature", "dedup_similarity")
 
 
 @dataclass
@@ -247,7 +251,7 @@ def build_plan(
     if distances is not None and (labels is None or np.asarray(distances).shape != (num_samples,)):
         raise ValueError(f"distances must come with labels and have shape ({num_samples},)")
     has_geometry = points is not None or distances is not None
-    if config.selection in ("norm", "kcenter") and points is None and has_geometry:
+    if config.selection in FEATURE_SELECTIONS and points is None and has_geometry:
         raise ValueError(f"selection '{config.selection}' needs the features themselves, and there are none "
                          "(no features.npy in the analysis); use 'peripheral', 'spread' or 'random'")
     clusters, participating_rows = _clusters(points, labels, exclude, num_samples, config, world_size, distances,
@@ -271,14 +275,15 @@ def build_plan(
                                                else points[participating_rows])
     selected = select_in_clusters(full_labels, kept_sizes, selection,  # type: ignore[arg-type]
                                   distances=distances if has_geometry else None, norms=norms,
-                                  features=points if selection == "kcenter" else None, seed=config.seed)
-    weights = sample_weights(full_labels, selected, cluster_sizes, kept_sizes, config.weighting)
+                                  features=points if selection in ("kcenter", "semdedup") else None,
+                                  seed=config.seed, dedup_similarity=config.dedup_similarity)
+    weights = sample_weights(full_labels, selected, cluster_sizes, kept_sizes, config.weighting,
+                             temperature=config.weight_temperature)
 
     plan = Plan(labels=full_labels, centroids=clusters.centroids, distances=distances, selected=selected,
                 weights=weights, cluster_sizes=cluster_sizes, kept_sizes=kept_sizes, world_size=int(world_size),
                 micro_batch_size=int(micro_batch_size), gradient_accumulation_steps=int(gradient_accumulation_steps),
-                allocation=config.allocation, seed=config.seed,
-                settings=config.model_dump(exclude={"enabled", "analysis_path", "preset"}))
+                allocation=config.allocation, seed=config.seed, settings=_plan_settings(config))
     if plan.steps_per_epoch < 1:
         raise ValueError(
             f"the kept subset ({plan.num_kept} samples, smallest cluster keeps {int(kept_sizes.min())}) is smaller "
@@ -287,6 +292,15 @@ def build_plan(
     logger.info("plan %s: %d clusters, kept %d of %d, %d steps per epoch", plan.fingerprint(), num_clusters,
                 plan.num_kept, num_samples, plan.steps_per_epoch)
     return plan
+
+
+def _plan_settings(config: ClusterSamplingConfig) -> dict[str, Any]:
+    """The config keys a plan records and fingerprints: all but the switch, the preset and where the input is."""
+    settings = config.model_dump(exclude={"enabled", "analysis_path", "preset"})
+    for key in _KEYS_RECORDED_WHEN_SET:
+        if settings[key] == ClusterSamplingConfig.model_fields[key].default:
+            del settings[key]
+    return settings
 
 
 def _clusters(points: Optional[np.ndarray], labels: Optional[np.ndarray], exclude: Optional[np.ndarray],

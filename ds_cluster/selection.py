@@ -13,12 +13,15 @@ Pure numpy. Budget rules (s_c kept of n_c, S kept of N):
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 import numpy as np
 
+from ds_cluster.diversity import k_center_greedy, semantic_dedup
+
 BudgetMode = Literal["min", "proportional", "equal", "neyman"]
-Strategy = Literal["peripheral", "core", "random", "mix", "norm", "spread", "kcenter"]
+Strategy = Literal["peripheral", "core", "random", "mix", "norm", "spread", "kcenter", "semdedup"]
+FEATURE_SELECTIONS = ("norm", "kcenter", "semdedup")  # they read the feature rows, not only the distances
 
 
 def cluster_budgets(
@@ -169,6 +172,7 @@ def select_in_clusters(
     norms: Optional[np.ndarray] = None,
     features: Optional[np.ndarray] = None,
     seed: int = 0,
+    dedup_similarity: float = 0.95,
 ) -> np.ndarray:
     """Sorted int64 indices: in each cluster c, kept_sizes[c] samples chosen by the strategy.
 
@@ -177,11 +181,12 @@ def select_in_clusters(
     core; norm: largest feature norm; spread: evenly over the quantiles of the
     distance to the centroid (core, middle and edge alike); kcenter: greedy
     farthest-point (k-centre) coverage of the cluster in feature space,
-    starting from the sample nearest the centroid.
-    Ties go to the lower index, so the choice is the same everywhere. Samples
-    with a negative label (excluded) are never chosen. Long because this
-    docstring defines every strategy; the body checks the inputs, then reads
-    each cluster as its strategy says.
+    starting from the sample nearest the centroid; semdedup: the random
+    strategy's order with near-duplicates (cosine similarity >= dedup_similarity
+    to an earlier member) skipped, see `semantic_dedup`. Ties go to the lower
+    index, so the choice is the same everywhere. Samples with a negative label
+    (excluded) are never chosen. Long because this docstring defines every
+    strategy; the body checks the inputs, then reads each cluster as it says.
     """
     labels = np.asarray(labels, dtype=np.int64)
     kept_sizes = np.asarray(kept_sizes, dtype=np.int64)
@@ -195,11 +200,11 @@ def select_in_clusters(
         raise ValueError(f"selection '{strategy}' needs features (distances to centroids); use 'random' without them")
     if strategy == "norm" and norms is None:
         raise ValueError("selection 'norm' needs features (their norms); use 'random' without them")
-    if strategy != "random" and strategy not in _KEY_SOURCE:
-        raise ValueError(f"selection must be one of peripheral, core, random, mix, norm, spread, kcenter; "
-                         f"got {strategy!r}")
-    if strategy == "kcenter" and features is None:
-        raise ValueError("selection 'kcenter' needs the features themselves; use 'spread' or 'random' without them")
+    if strategy not in get_args(Strategy):
+        raise ValueError(f"selection must be one of {', '.join(get_args(Strategy))}; got {strategy!r}")
+    if strategy in ("kcenter", "semdedup") and features is None:
+        fallback = "'spread' or 'random'" if distances is not None else "'random'"  # spread reads the distances
+        raise ValueError(f"selection '{strategy}' needs the features themselves; use {fallback} without them")
     too_many = np.flatnonzero(kept_sizes > counts[:kept_sizes.size])
     if too_many.size:
         cluster = int(too_many[0])
@@ -207,6 +212,8 @@ def select_in_clusters(
                          f"cannot keep {int(kept_sizes[cluster])}")
     if strategy == "random":
         return _random_in_clusters(labels, kept_sizes, counts, rng)
+    # semdedup reads a cluster in random's seeded order (so without near-duplicates it keeps what random keeps).
+    random_keys = rng.random(labels.size) if strategy == "semdedup" else None
 
     # Each cluster's members in index order: one radix sort of the labels, no sort of N keys. A cluster is then
     # read in the order of its key (ties: lower index first), found by partition or a sort of that cluster alone.
@@ -219,6 +226,10 @@ def select_in_clusters(
     chosen = np.zeros(labels.size, dtype=bool)
     for cluster, (end, keep) in enumerate(zip(ends.tolist(), kept_sizes.tolist())):
         members = grouped[end - int(counts[cluster]):end]
+        if random_keys is not None:
+            ordered = members[_stable_argsort(random_keys[members])]
+            chosen[semantic_dedup(features, ordered, keep, dedup_similarity)] = True  # type: ignore[arg-type]
+            continue
         keys = _member_keys(strategy, members, distances, norms)
         if strategy == "mix":
             # The first (keep + 1) // 2 of the order (the edge) and its last keep // 2 (the core): all
@@ -348,37 +359,25 @@ def _first_in_order(keys: np.ndarray, count: int) -> np.ndarray:
     return np.flatnonzero(taken)
 
 
-def k_center_greedy(features: np.ndarray, members: np.ndarray, keep: int) -> np.ndarray:
-    """`keep` of `members` chosen greedily, each the farthest from those chosen so far (k-centre).
-
-    `members` comes ordered by distance to the centroid: the first pick is the
-    most central sample. Cost O(keep x len(members) x d).
-    """
-    points = np.asarray(features[members], dtype=np.float64)
-    picked = [0]
-    nearest = np.linalg.norm(points - points[0], axis=1)
-    nearest[0] = -1.0  # below any distance: once every sample is covered, duplicates are taken, not a pick twice
-    for _ in range(keep - 1):
-        candidate = int(np.argmax(nearest))  # first index among ties
-        picked.append(candidate)
-        nearest = np.minimum(nearest, np.linalg.norm(points - points[candidate], axis=1))
-        nearest[candidate] = -1.0  # the earlier picks keep their -1 through the minimum
-    return members[np.asarray(picked, dtype=np.int64)]
-
-
 def sample_weights(
     labels: np.ndarray,
     selected: np.ndarray,
     cluster_sizes: np.ndarray,
     kept_sizes: np.ndarray,
     weighting: Literal["cluster", "none"],
+    *,
+    temperature: float = 1.0,
 ) -> np.ndarray:
     """Per-sample loss weight (N,) float64: w = (n_c / N) / (s_c / S) when kept, 0 otherwise.
 
     The kept samples of cluster c then carry n_c / N of the total weight, so
     the weighted mean over the subset estimates the full-data mean; the mean
     weight over kept samples is 1. With "none", kept samples weigh 1.
+    A temperature t in [0, 1] makes them w ** t, rescaled to a mean of 1 over the kept samples (t = 1 these
+    weights, t = 0 all 1s): some bias for a larger effective sample size.
     """
+    if not 0.0 <= temperature <= 1.0:
+        raise ValueError(f"weight temperature must be in [0, 1], got {temperature}")
     labels = np.asarray(labels, dtype=np.int64)
     if weighting == "none" and selected.size == labels.size:
         return np.ones(labels.size, dtype=np.float64)
@@ -391,6 +390,10 @@ def sample_weights(
     sizes = np.asarray(cluster_sizes, dtype=np.float64)
     kept = np.asarray(kept_sizes, dtype=np.float64)
     per_cluster = (sizes / sizes.sum()) / (kept / kept.sum())
+    if temperature != 1.0:  # w ** t, rescaled to a mean of 1 over the kept samples; t = 1 stays bit for bit
+        has_kept = kept > 0  # a cluster keeping nothing has an infinite weight that no sample carries
+        per_cluster = np.where(has_kept, per_cluster, 1.0) ** temperature
+        per_cluster *= kept.sum() / float(np.dot(kept[has_kept], per_cluster[has_kept]))
     if selected.size == labels.size:  # everything kept: one gather, no scatter
         return per_cluster[labels]
     weights[selected] = per_cluster[labels[selected]]
