@@ -322,7 +322,7 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
              + ", ".join(f"{f} {n}" for f, n in sorted(data["sizes"].items(), key=lambda kv: -kv[1])) + ").",
              f"Recipe: {settings.epochs} epochs, lr {settings.learning_rate}, max length {settings.max_length} tokens, "
              f"warmup {settings.warmup_fraction:.0%} then cosine to 0 at each arm's own last step, AdamW (0.9, 0.95, "
-             f"eps {settings.adam_eps}), 2 ranks x micro batch {settings.micro_batch_size}, ZeRO-2, one DeepSpeed job "
+             f"eps {settings.adam_eps}), 2 ranks x micro batch {settings.micro_batch_size}, ZeRO-{settings.zero_stage}, one DeepSpeed job "
              "for every arm.",
              "Greedy exact match is scored on the label families only: "
              + (", ".join(data["exact_match_families"]) or "none")

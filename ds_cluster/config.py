@@ -25,7 +25,7 @@ PAPER_PRESET: dict[str, Any] = {
     "feature_kind": "proxy",
     "normalize_features": True,
 }
-# ds_cluster's recommended settings: of the candidates in bench/candidates.json, the lowest mean
+# ds_cluster's recommended settings: of the synthetic candidates in bench/candidates.json, the lowest mean
 # macro validation answer loss at 30% kept over 4 paired seeds (bench/README.md). Its macro lead
 # over a random subset is within the seed noise; its worst-family lead is not.
 RECOMMENDED_PRESET: dict[str, Any] = {
