@@ -100,7 +100,10 @@ class Settings:
     seeds: tuple[int, ...] = (0, 1, 2, 3)
     fractions: tuple[float, ...] = (0.3, 0.5)
     headline_fraction: float = 0.3
-    ablation_seeds: int = 2
+    ablation_seeds: int = 2  # the synthetic instrument's ablations; the real one's run on every seed
+    # The real instrument's r-arms: the paper preset at budget_ratio r itself, each beside a random arm of its
+    # kept count (the job's resolve_arm matches a budget_ratio as well as a fraction).
+    ablation_ratios: tuple[float, ...] = (0.25, 0.5, 0.75)
     arms: tuple[str, ...] = REAL_ARMS
     recommended: dict = field(default_factory=lambda: {"preset": "recommended"})
     candidates: dict = field(default_factory=dict)  # --choose: name -> cluster_sampling block
@@ -256,6 +259,8 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
         feature_sources["smollm2"] = {"model": str(settings.smollm2),
                                       "feature_max_length": settings.smollm2_feature_max_length}
     arms: list[dict] = []
+    # The settings a k-means analysis depends on: an arm that changes one of them reads its own clustering.
+    clustering_keys = ("feature_kind", "feature_dim", "num_clusters", "capacity_factor", "kmeans_n_init")
 
     def features_of(source: str, block: dict) -> str:
         name = f"features_{source}_{block.get('feature_kind', 'proxy')}{block.get('feature_dim') or ''}"
@@ -272,10 +277,11 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
         return name
 
     def clustering_analysis(seed: int, block: dict, source: str) -> str:
-        keys = ("feature_kind", "feature_dim", "num_clusters", "capacity_factor", "kmeans_n_init", "preset")
-        tag = "_".join(f"{k}{block[k]}" for k in keys if k in block) or "default"
+        tag = "_".join(f"{k}{block[k]}" for k in clustering_keys + ("preset",) if k in block) or "default"
         name = f"k_{tag}{'' if source == 'own' else '_' + source}_s{seed}"
-        expanded = {**_expand(block), "seed": seed}
+        # An explicit null (capacity_factor: no cap) over a preset stays: _expand drops it, the preset refills it.
+        nulls = {k: v for k, v in block.items() if v is None} if "preset" in block else {}
+        expanded = {**_expand(block), **nulls, "seed": seed}
         analyses.setdefault(name, {"path": str(root / name), "cluster_sampling": expanded,
                                    "features": features_of(source, expanded)})
         return name
@@ -286,6 +292,10 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
         if steps:
             extra["stretch"] = True  # trained to full data's step count
         if kind == "paper":
+            # A change of K or of the capacity clusters anew; the arm then keeps `fraction` of its own clusters.
+            clustering = {k: v for k, v in changes.items() if k in clustering_keys}
+            if clustering:
+                extra["match"]["analysis"] = clustering_analysis(seed, {"preset": "paper", **clustering}, "own")
             return _arm(tag, seed, extra["match"]["analysis"], {"preset": "paper", **changes}, fraction, kind, **extra)
         if kind == "random":
             return _arm(tag, seed, "one_cluster", {**whole, **changes}, fraction, kind, **extra)
@@ -309,6 +319,51 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
     def full(seed: int) -> dict:
         return _arm("full", seed, "one_cluster", whole, None, "full", epochs=settings.epochs)
 
+    def real_ablations() -> list[dict]:
+        """The real instrument's ablation rows at the headline fraction on every seed, each with the random
+        subset of its kept count and seed: random_fF when it keeps the paper arm's count, else a random arm
+        matched to the same analysis (random_as_SETTING, named in the row's `baseline`)."""
+        fraction = settings.headline_fraction
+        # K != W needs allocation "stratified" (cluster_per_rank is one cluster per rank), so the paper preset
+        # with "stratified" alone is the K rows' control. Capacity 3.0 is left out: at K = 2 a factor >= 2
+        # never binds (ceil(3.0 x N / 2) >= N), so it would repeat capacity null sample for sample.
+        rows = (("paper", {"weighting": "none"}), ("paper", {"selection": "random"}), ("paper", {"selection": "core"}),
+                ("paper", {"allocation": "stratified"}), ("paper", {"num_clusters": 4, "allocation": "stratified"}),
+                ("paper", {"num_clusters": 8, "allocation": "stratified"}), ("paper", {"capacity_factor": None}),
+                ("recommended", {"loss_reduction": "sample"}))
+        present = {arm["name"] for arm in arms}
+        added: list[dict] = []
+
+        def add(arm: dict) -> None:
+            if arm["name"] not in present:
+                present.add(arm["name"])
+                added.append(arm)
+
+        def partnered(arm: dict, match: dict) -> None:
+            setting = f"random_as_{arm['setting']}"
+            partner = subset("random", arm["seed"], fraction)
+            partner.update(name=f"{setting}_s{arm['seed']}", setting=setting, fraction=arm["fraction"], match=match,
+                           baseline=setting)
+            add(dict(arm, baseline=setting))
+            add(partner)
+
+        for seed in settings.seeds:
+            add(subset("paper", seed, fraction))  # the row every paper ablation changes one thing of
+            add(subset("random", seed, fraction))
+            for kind, changes in rows:
+                arm = subset(kind, seed, fraction, **changes)
+                if arm["match"]["analysis"] == paper_analysis(seed):
+                    add(arm)  # keeps the paper arm's count: random_fF is its partner
+                else:
+                    partnered(arm, arm["match"])
+            for ratio in settings.ablation_ratios:
+                # r itself sets the count (floor(r x smallest cluster) each): no fraction, no match of its own.
+                arm = subset("paper", seed, fraction, budget_ratio=ratio)
+                setting = f"paper_budget_ratio-{ratio:g}"
+                arm.update(name=f"{setting}_s{seed}", setting=setting, fraction=None)
+                partnered(arm, {"analysis": arm.pop("match")["analysis"], "budget_ratio": ratio})
+        return added
+
     first = settings.seeds[0]
     gate_random = subset("random", first, 0.3)
     arms += [full(first), gate_random]
@@ -326,12 +381,14 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
         if settings.equal_steps and not settings.candidates:
             for kind in EQUAL_STEPS_KINDS:
                 arms.append(subset(kind, seed, settings.headline_fraction, steps=True))
-    if settings.ablations and not settings.candidates:
+    if settings.ablations and not settings.candidates and settings.instrument == "synthetic":
         for seed in settings.seeds[:settings.ablation_seeds]:
             # What each difference from the paper is worth.
             for kind, changes in (("paper", {"weighting": "none"}), ("paper", {"selection": "random"}),
                                   ("recommended", {"loss_reduction": "sample"})):
                 arms.append(subset(kind, seed, settings.headline_fraction, **changes))
+    elif settings.ablations and not settings.candidates:
+        arms += real_ablations()
     for arm in arms:
         arm.setdefault("epochs", settings.epochs)
         if arm["analysis"] not in analyses:
@@ -450,7 +507,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--arms", default=None, metavar="A,B,...",
                         help=f"the subset arms to run beside full data (known: {','.join(KNOWN_ARMS)}); "
                              "a confirmation run may leave out arms its claim does not use")
-    parser.add_argument("--ablations", action="store_true", help="add the ablation rows (default with --synthetic)")
+    parser.add_argument("--ablations", action="store_true",
+                        help="add the ablation rows (default with --synthetic); on the real instrument the paper "
+                             "preset without weights, with random and core selection, K 4 and 8, no capacity cap, "
+                             "and recommended with sample loss, at the headline fraction on every seed, each beside "
+                             "a random subset of its kept count (run it as its own --name, e.g. quality_ablations)")
     parser.add_argument("--no-ablations", action="store_true", help="leave out the ablation rows")
     parser.add_argument("--equal-steps", action="store_true",
                         help="add random and recommended at 30%% kept trained to full data's step count (each "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import random
 import sys
@@ -232,7 +233,10 @@ def resolve_arm(arm: dict, spec: dict) -> tuple[dict, Optional[int], Optional[in
     if match:
         summary = json.loads((Path(spec["analyses"][match["analysis"]]["path"]) / "summary.json").read_text())
         sizes = summary["cluster_sizes"]
-        per_cluster = min(min(sizes), round(match["fraction"] * sum(sizes)) // len(sizes))
+        if "budget_ratio" in match:  # r itself, as budget_mode "min" keeps it: floor(r x smallest cluster) each
+            per_cluster = math.floor(match["budget_ratio"] * min(sizes) + 1e-9)
+        else:
+            per_cluster = min(min(sizes), round(match["fraction"] * sum(sizes)) // len(sizes))
         kept = per_cluster * len(sizes)
         if arm["method"] == "paper":
             block["budget_ratio"] = per_cluster / min(sizes)

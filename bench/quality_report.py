@@ -131,9 +131,10 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
                                                  - quality(full_runs[s], split)[metric] for s in paired])
                                 for metric in ("loss_macro", "loss_worst", "em_macro", "em_worst")}
         fraction = some["arm"]["fraction"]
-        # Equal-steps subsets are paired with the random subset trained to the same steps.
-        baseline_name = (f"random{'_steps' if '_steps_' in setting else ''}_f{fraction:g}"
-                         if fraction is not None else None)
+        # Equal-steps subsets are paired with the random subset trained to the same steps; an arm that keeps
+        # another count than its fraction's paper arm (an ablation) names its own random subset.
+        baseline_name = some["arm"].get("baseline") or (
+            f"random{'_steps' if '_steps_' in setting else ''}_f{fraction:g}" if fraction is not None else None)
         baseline = by_setting.get(baseline_name) if baseline_name else None
         if baseline and setting != baseline_name:
             paired = [s for s in per_seed if s in baseline]

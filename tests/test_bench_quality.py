@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import subprocess
 import sys
 from collections import defaultdict
@@ -220,3 +221,134 @@ def test_real_gate_and_time_to_target():
     assert reached["reached"] and reached["epoch"] == 2 and reached["cpu"] == 23.0
     assert not time_to_target({"validation_curve": curve[:1]}, base, full, {"cpu": 0, "wall": 0},
                               {"cpu": 0, "wall": 0})["reached"]
+
+
+# The real instrument's --ablations rows at 30% (bench/quality.py real_ablations): setting -> the random subset
+# that keeps its count (random_f0.3: the paper arm's count; random_as_SETTING: matched to its own clustering).
+REAL_ABLATION_ROWS = {
+    "paper_f0.3_weighting-none": "random_f0.3",
+    "paper_f0.3_selection-random": "random_f0.3",
+    "paper_f0.3_selection-core": "random_f0.3",
+    "paper_f0.3_allocation-stratified": "random_f0.3",
+    "paper_f0.3_num_clusters-4_allocation-stratified": "random_as_paper_f0.3_num_clusters-4_allocation-stratified",
+    "paper_f0.3_num_clusters-8_allocation-stratified": "random_as_paper_f0.3_num_clusters-8_allocation-stratified",
+    "paper_f0.3_capacity_factor-None": "random_as_paper_f0.3_capacity_factor-None",
+    "recommended_f0.3_loss_reduction-sample": "random_f0.3",
+}
+RATIO_ROWS = {f"paper_budget_ratio-{r}": f"random_as_paper_budget_ratio-{r}" for r in ("0.25", "0.5", "0.75")}
+
+
+def _kept(arm: dict, spec: dict, sizes: dict) -> int:
+    """The count an arm keeps once the job has resolved its match (bench/quality_job.py resolve_arm), with
+    `sizes` as every clustering's cluster sizes: a paper arm by its budget rule, any other by budget_samples."""
+    from bench.quality_job import resolve_arm
+    from ds_cluster.selection import cluster_budgets
+
+    block, _, kept = resolve_arm(arm, spec)
+    if arm["method"] != "paper":
+        return kept
+    return int(cluster_budgets(np.array(sizes[arm["analysis"]]), "min", block["budget_ratio"]).sum())
+
+
+def test_real_ablations_job_spec(tmp_path):
+    """--ablations on the real instrument: every ablation row on each of the 4 seeds at 30%, each beside a random
+    subset of exactly its kept count and seed; a K or capacity change clusters anew, the rest read the paper's."""
+    data = _real_slice(tmp_path / "t0")
+    argv = ["--data", str(data), "--arms", "random,paper,recommended"]
+    settings = _settings(argv + ["--work-dir", str(tmp_path / "work"), "--ablations", "--name", "quality_ablations"])
+    assert settings.instrument == "real" and settings.ablations and settings.ablation_ratios == (0.25, 0.5, 0.75)
+    spec = _spec(settings)
+    arms, analyses = spec["arms"], spec["analyses"]
+    assert len({arm["name"] for arm in arms}) == len(arms)
+    by_setting: dict[str, dict[int, dict]] = defaultdict(dict)
+    for arm in arms:
+        by_setting[arm["setting"]][arm["seed"]] = arm
+    # Cluster sizes as the job's k-means would write them: K = 8 with a small cluster, so its arm keeps less
+    # than 30% and only a random subset matched to its own clustering keeps as many.
+    sizes = {}
+    for name, analysis in analyses.items():
+        if analysis.get("features"):
+            k = analysis["cluster_sampling"]["num_clusters"]
+            sizes[name] = {"auto": [130, 70], 4: [80, 60, 40, 20], 8: [60, 40, 30, 20, 20, 15, 10, 5]}[k]
+            Path(analysis["path"]).mkdir(parents=True, exist_ok=True)
+            (Path(analysis["path"]) / "summary.json").write_text(json.dumps({"cluster_sizes": sizes[name]}))
+    kept_counts = set()
+    for setting, partner in REAL_ABLATION_ROWS.items():
+        assert sorted(by_setting[setting]) == [0, 1, 2, 3], setting
+        for seed, arm in by_setting[setting].items():
+            assert arm["fraction"] == 0.3 and (arm.get("baseline") or "random_f0.3") == partner
+            assert by_setting[partner][seed]["method"] == "random"
+            kept = _kept(arm, spec, sizes)
+            assert kept == _kept(by_setting[partner][seed], spec, sizes), (setting, seed)
+            kept_counts.add(kept)
+    assert len(kept_counts) > 1  # some rows keep another count than the paper arm: their own random subsets
+    for seed in range(4):
+        paper = by_setting["paper_f0.3"][seed]
+        for setting in REAL_ABLATION_ROWS:  # what each row changes of the paper preset, and its clustering
+            block = by_setting[setting][seed]["cluster_sampling"]
+            assert block["seed"] == seed and (setting.startswith("recommended") or block["preset"] == "paper")
+        for setting in ("weighting-none", "selection-random", "selection-core", "allocation-stratified"):
+            assert by_setting[f"paper_f0.3_{setting}"][seed]["analysis"] == paper["analysis"] == f"paper_s{seed}"
+        for k in (4, 8):
+            analysis = analyses[by_setting[f"paper_f0.3_num_clusters-{k}_allocation-stratified"][seed]["analysis"]]
+            assert analysis["cluster_sampling"]["num_clusters"] == k and analysis["cluster_sampling"]["seed"] == seed
+        uncapped = analyses[by_setting["paper_f0.3_capacity_factor-None"][seed]["analysis"]]["cluster_sampling"]
+        assert uncapped["capacity_factor"] is None and uncapped["num_clusters"] == "auto"
+    assert {a["features"] for a in analyses.values() if a.get("features")} == {"features_own_proxy"}
+
+    # The r-arms: r itself on the paper's clustering, and a random partner whose match names the same analysis
+    # and r; the job keeps K x floor(r x smallest cluster) for both.
+    rows = defaultdict(dict)
+    for arm in arms:
+        rows[arm["setting"]][arm["seed"]] = arm
+    for setting, partner in RATIO_ROWS.items():
+        ratio = float(setting.rsplit("-", 1)[1])
+        assert sorted(rows[setting]) == sorted(rows[partner]) == [0, 1, 2, 3]
+        for seed, arm in rows[setting].items():
+            assert arm["cluster_sampling"]["budget_ratio"] == ratio and "match" not in arm
+            assert arm["analysis"] == f"paper_s{seed}" and arm["baseline"] == partner
+            assert rows[partner][seed]["match"] == {"analysis": f"paper_s{seed}", "budget_ratio": ratio}
+            assert _kept(rows[partner][seed], spec, sizes) == _kept(arm, spec, sizes) == 2 * math.floor(ratio * 70)
+
+    # Without --ablations, none of them.
+    plain = _spec(_settings(argv + ["--work-dir", str(tmp_path / "plain")]))
+    assert not {arm["setting"] for arm in plain["arms"]} & (set(REAL_ABLATION_ROWS) | set(RATIO_ROWS))
+    assert not any("baseline" in arm for arm in plain["arms"])
+    assert not any(name.startswith("k_num_clusters") or "capacity" in name for name in plain["analyses"])
+
+
+def test_synthetic_ablations_are_unchanged(tmp_path):
+    """The synthetic instrument keeps its three ablation rows on its first 2 seeds (its results depend on them)."""
+    write_mixture(tmp_path / "data", seed=5, total=240, heldout_per_family=3)
+    spec = _spec(_settings(["--synthetic", "--data", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work")]))
+    rows = {"paper_f0.3_weighting-none", "paper_f0.3_selection-random", "recommended_f0.3_loss_reduction-sample"}
+    assert sorted((a["setting"], a["seed"]) for a in spec["arms"] if a["setting"] in rows or "baseline" in a) == \
+        sorted((row, seed) for row in rows for seed in (0, 1))
+    assert {a["analysis"] for a in spec["arms"] if a["setting"].startswith("paper_f0.3_")} == {"paper_s0", "paper_s1"}
+
+
+def test_report_pairs_an_ablation_with_its_own_random_subset(tmp_path):
+    """An arm naming a `baseline` is paired with that random subset, not with random_fF; the partner itself is
+    no row of the minus-random table."""
+    from bench.quality_report import paired_table, summarize
+
+    def result(arm: dict, loss: float) -> dict:
+        timing = {"wall": 1.0, "cpu": 2.0}
+        return {"arm": arm, "kept_fraction": 0.2, "steps": 10, "time": {"loop": timing, "evaluation": timing},
+                "validation": {"loss": {"a": loss, "b": loss + 1.0}}}
+
+    k4 = "paper_f0.3_num_clusters-4_allocation-stratified"
+    partner = REAL_ABLATION_ROWS[k4]
+    arms, results = [], {}
+    for seed in (0, 1, 2):
+        for setting, method, loss, baseline in (("random_f0.3", "random", 3.0, None),
+                                                 (k4, "paper", 2.0 + seed, partner), (partner, "random", 2.5, partner)):
+            arm = {"name": f"{setting}_s{seed}", "setting": setting, "method": method, "seed": seed, "fraction": 0.3,
+                   "analysis": "one_cluster", "epochs": 2, **({"baseline": baseline} if baseline else {})}
+            arms.append(arm)
+            results[arm["name"]] = result(arm, loss)
+    summary = summarize(arms, results, tmp_path, "validation")
+    assert summary["settings"][k4]["vs_random"]["loss_macro"]["mean"] == pytest.approx(0.5)  # 3.0 - 2.5, not - 3.0
+    assert "vs_random" not in summary["settings"][partner]
+    table = paired_table(summary, sorted(summary["settings"]))
+    assert f"| {k4} | 3 |" in table and f"| {partner} |" not in table
