@@ -35,6 +35,7 @@ A seed changes the data order, the random subset and the k-means seed together, 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import random
@@ -53,6 +54,7 @@ import numpy as np  # noqa: E402
 
 from ds_cluster.dataset import read_jsonl, write_jsonl  # noqa: E402
 from ds_cluster.distributed import free_port  # noqa: E402
+from ds_cluster.toy.models import default_cache_root  # noqa: E402
 
 logger = logging.getLogger("bench.quality")
 
@@ -114,6 +116,8 @@ class Settings:
     copy_probe_records: int = 200
     smollm2: Optional[Path] = SMOLLM2_DIR
     smollm2_feature_max_length: int = SMOLLM2_FEATURE_MAX_LENGTH
+    # Feature extractions shared by the runs on one mixture (features_folder); None: each work folder its own.
+    features_cache: Optional[Path] = field(default_factory=lambda: default_cache_root() / "bench_features")
     skipped: tuple[str, ...] = ()  # arms left out, with the reason (the report repeats it)
     job_timeout_s: float = 4 * 3600
     command: str = "python bench/quality.py"
@@ -237,6 +241,18 @@ def prepare_data(settings: Settings) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- arms
+def features_folder(settings: Settings, data: dict, name: str, entry: dict) -> Path:
+    """Where a feature model's features of this training split live: in the work folder, or with
+    `features_cache` set, in a folder keyed by the split, the max length and the feature settings, so every
+    run on the same mixture (the default run, --choose, --ablations) extracts them once. Their cost is
+    recorded with them (cost.json) and charged to every arm that reads them, in every run."""
+    if settings.features_cache is None:
+        return settings.work_dir / "analyses" / name
+    key = hashlib.sha256(Path(data["paths"]["train"]).read_bytes())
+    key.update(json.dumps({"max_length": settings.max_length, **entry}, sort_keys=True, default=str).encode())
+    return Path(settings.features_cache) / f"{name}-{key.hexdigest()[:16]}"
+
+
 def _arm(name: str, seed: int, analysis: str, block: dict, fraction: Optional[float], setting: str,
          **extra: Any) -> dict:
     return {"name": f"{name}_s{seed}", "setting": name, "method": setting, "seed": seed, "analysis": analysis,
@@ -264,9 +280,11 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
 
     def features_of(source: str, block: dict) -> str:
         name = f"features_{source}_{block.get('feature_kind', 'proxy')}{block.get('feature_dim') or ''}"
-        analyses.setdefault(name, {"path": str(root / name), "source": source, **feature_sources[source],
-                                   "cluster_sampling": {k: block[k] for k in ("feature_kind", "feature_dim",
-                                                                              "normalize_features") if k in block}})
+        if name not in analyses:
+            entry = {"source": source, **feature_sources[source],
+                     "cluster_sampling": {k: block[k] for k in ("feature_kind", "feature_dim", "normalize_features")
+                                          if k in block}}
+            analyses[name] = {"path": str(features_folder(settings, data, name, entry)), **entry}
         return name
 
     def paper_analysis(seed: int) -> str:
@@ -559,7 +577,7 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
         settings = replace(settings, seeds=settings.seeds[:1], gate_only=True, ablations=False)
     if args.test_epochs is not None:
         settings = replace(settings, epochs=args.test_epochs, fractions=(0.3,), ablations=False,
-                           arms=("random", "paper"), copy_probe_records=8)
+                           arms=("random", "paper"), copy_probe_records=8, features_cache=None)
     if args.choose:
         declared = json.loads((REPO / "bench" / "candidates.json").read_text())[settings.instrument]
         candidates = {name: block for name, block in declared.items() if not name.startswith("_")}  # "_rule"

@@ -352,3 +352,27 @@ def test_report_pairs_an_ablation_with_its_own_random_subset(tmp_path):
     assert "vs_random" not in summary["settings"][partner]
     table = paired_table(summary, sorted(summary["settings"]))
     assert f"| {k4} | 3 |" in table and f"| {partner} |" not in table
+
+
+def test_runs_on_one_mixture_share_its_feature_extractions(tmp_path):
+    """With features_cache set, the default run, --choose and --ablations on the same mixture read one feature
+    folder per feature model (extracted once, its cost charged in each); another max length is another folder."""
+    from dataclasses import replace
+
+    data = _real_slice(tmp_path / "t0")
+    cache = tmp_path / "cache"
+
+    def feature_paths(*argv: str, **changes) -> dict[str, str]:
+        settings = replace(_settings(["--data", str(data), *argv]), **{"features_cache": cache, **changes})
+        analyses = _spec(settings)["analyses"]
+        return {name: a["path"] for name, a in analyses.items() if name.startswith("features_")}
+
+    default = feature_paths("--work-dir", str(tmp_path / "a"))
+    choose = feature_paths("--work-dir", str(tmp_path / "b"), "--choose")
+    assert default["features_own_proxy"] == choose["features_own_proxy"]
+    assert all(Path(path).parent == cache for path in {**default, **choose}.values())
+    assert "features_own_lm_head" in choose and choose["features_own_lm_head"] != choose["features_own_proxy"]
+    other = feature_paths("--work-dir", str(tmp_path / "c"), max_length=96)
+    assert other["features_own_proxy"] != default["features_own_proxy"]
+    plain = feature_paths("--work-dir", str(tmp_path / "d"), features_cache=None)
+    assert Path(plain["features_own_proxy"]).parent == tmp_path / "d" / "analyses"
