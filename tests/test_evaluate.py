@@ -10,6 +10,7 @@ from ds_cluster.dataset import IGNORE_INDEX, encode_prompt, load_instruction_dat
 from ds_cluster.toy import evaluate
 from ds_cluster.toy.models import tiny_model
 from ds_cluster.toy.tasks import FAMILIES, generate_mixture
+from tests.reference import greedy_by_hand
 
 
 @pytest.fixture(scope="module")
@@ -47,26 +48,13 @@ def test_answer_loss_is_finite_for_every_family_and_leaves_out_the_end_token(mod
     assert not torch.allclose(with_eos, per_sample)
 
 
-def _greedy_by_hand(model, tokenizer, record, max_new_tokens: int) -> str:
-    """Greedy decoding the slow way: the whole sequence again for every token, no padding, no cache."""
-    ids = encode_prompt(tokenizer, record)
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            token = int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax())
-            if token == tokenizer.eos_token_id:
-                break
-            out.append(token)
-    return tokenizer.decode(out, skip_special_tokens=True)
-
-
-def test_batched_left_padded_generation_matches_greedy_by_hand(model_and_tokenizer, heldout):
+def test_batched_left_padded_generation_matchesgreedy_by_hand(model_and_tokenizer, heldout):
     model, tokenizer = model_and_tokenizer
     # Prompts of different lengths in one batch; short answers, so the floor of 6 new tokens holds.
     records = [dict(record, output=record["output"][:2]) for record in heldout[::3]]
     assert evaluate.generation_budget(tokenizer, records, max_new_tokens=6) == 6
     batched = evaluate.greedy_answers(model, tokenizer, records, max_new_tokens=6, batch_size=len(records))
-    assert batched == [_greedy_by_hand(model, tokenizer, record, 6) for record in records]
+    assert batched == [greedy_by_hand(model, tokenizer, record, 6) for record in records]
     assert evaluate.greedy_answers(model, tokenizer, records, max_new_tokens=6, batch_size=1) == batched
 
 
@@ -83,11 +71,11 @@ def test_generation_runs_to_the_longest_reference_answer_of_the_batch_plus_a_mar
     assert evaluate.generation_budget(tokenizer, records, max_new_tokens=16) == budget
     # The real model and generate: both records get the batch's budget, as greedy decoding by hand does.
     answers = evaluate.greedy_answers(model, tokenizer, records, batch_size=2)
-    assert answers == [_greedy_by_hand(model, tokenizer, record, budget) for record in records]
+    assert answers == [greedy_by_hand(model, tokenizer, record, budget) for record in records]
     assert max(len(tokenizer(answer, add_special_tokens=False)["input_ids"]) for answer in answers) > 16
     # Alone, the short record's batch gets only its own budget.
     assert evaluate.greedy_answers(model, tokenizer, records[1:], batch_size=1) == [
-        _greedy_by_hand(model, tokenizer, records[1], 2 + evaluate.ANSWER_MARGIN_TOKENS)]
+        greedy_by_hand(model, tokenizer, records[1], 2 + evaluate.ANSWER_MARGIN_TOKENS)]
 
 
 class _AnswerKeyModel(torch.nn.Module):

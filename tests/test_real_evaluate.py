@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
-from ds_cluster.dataset import (IGNORE_INDEX, InstructionDataset, encode_example, encode_prompt, read_records,
+from ds_cluster.dataset import (IGNORE_INDEX, InstructionDataset, encode_example, read_records,
                                 write_jsonl)
 from ds_cluster.models import load_model_and_tokenizer
 from ds_cluster.real import STORIES260K_DIR, T0_DIR
 from ds_cluster.real import evaluate
+from tests.reference import greedy_by_hand
 
 MAX_LENGTH = 272  # the longest T0 record, prompt and answer, is 265 stories260K tokens
 
@@ -86,25 +87,12 @@ def test_the_label_groups_of_t0_are_the_ones_with_few_distinct_answers(heldout):
     assert evaluate.categorical_groups(heldout) == ["paraphrase_identification", "sentiment", "topic_classification"]
 
 
-def _greedy_one_by_one(model, tokenizer, record: dict, new_tokens: int) -> str:
-    """Greedy decoding the slow way: the whole sequence again for every token, no padding, no cache."""
-    ids = encode_prompt(tokenizer, record)
-    answer = []
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            token = int(model(input_ids=torch.tensor([ids + answer])).logits[0, -1].argmax())
-            if token == tokenizer.eos_token_id:
-                break
-            answer.append(token)
-    return tokenizer.decode(answer, skip_special_tokens=True)
-
-
 def test_greedy_answers_of_left_padded_batches_are_the_unpadded_ones(model_and_tokenizer, few):
     model, tokenizer = model_and_tokenizer
     records = [dict(r, output="one two") for r in few[:5]]  # a short reference: few new tokens to compare
     budget = len(tokenizer("one two", add_special_tokens=False)["input_ids"]) + evaluate.ANSWER_MARGIN_TOKENS
     batched = evaluate.greedy_answers(model, tokenizer, records, batch_size=4)
-    assert batched == [_greedy_one_by_one(model, tokenizer, record, budget) for record in records]
+    assert batched == [greedy_by_hand(model, tokenizer, record, budget) for record in records]
 
 
 def test_exact_match_scores_the_greedy_answers_of_the_named_groups_only(model_and_tokenizer, few, monkeypatch):
