@@ -54,6 +54,7 @@ import numpy as np  # noqa: E402
 
 from ds_cluster.dataset import read_jsonl, write_jsonl  # noqa: E402
 from ds_cluster.distributed import free_port  # noqa: E402
+from ds_cluster.selection import FEATURE_SELECTIONS  # noqa: E402
 from ds_cluster.toy.models import default_cache_root  # noqa: E402
 
 logger = logging.getLogger("bench.quality")
@@ -302,6 +303,9 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
         expanded = {**_expand(block), **nulls, "seed": seed}
         analyses.setdefault(name, {"path": str(root / name), "cluster_sampling": expanded,
                                    "features": features_of(source, expanded)})
+        # Arms of one K share its clustering; the first arm's selection need not be the one that reads features.
+        if expanded.get("selection") in FEATURE_SELECTIONS:
+            analyses[name]["keep_features"] = True
         return name
 
     def subset(kind: str, seed: int, fraction: float, steps: bool = False, **changes: Any) -> dict:

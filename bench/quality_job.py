@@ -174,7 +174,7 @@ def ensure_clustering(analysis: dict, features: dict, spec: dict, train: Instruc
                 names, counts = category_counts(labels, train.categories, num_clusters)
                 arrays = {"labels.npy": labels, "distances.npy": distances, "empty_mask.npy": empty,
                           "centroids.npy": np.asarray(clusters.centroids, dtype=np.float32)}
-                if settings.selection in FEATURE_SELECTIONS:
+                if analysis.get("keep_features") or settings.selection in FEATURE_SELECTIONS:
                     arrays["features.npy"] = points
                 own = clock.read()
                 summary = {"num_samples": len(train), "num_clusters": num_clusters,

@@ -376,3 +376,18 @@ def test_runs_on_one_mixture_share_its_feature_extractions(tmp_path):
     assert other["features_own_proxy"] != default["features_own_proxy"]
     plain = feature_paths("--work-dir", str(tmp_path / "d"), features_cache=None)
     assert Path(plain["features_own_proxy"]).parent == tmp_path / "d" / "analyses"
+
+
+def test_a_clustering_shared_by_several_candidates_keeps_features_for_the_one_that_reads_them(tmp_path):
+    """--choose: K 8's clustering is shared by random, spread, kcenter and semdedup candidates; the first to
+    claim it reads no features, yet kcenter and semdedup need features.npy in it."""
+    from ds_cluster.selection import FEATURE_SELECTIONS
+
+    data = _real_slice(tmp_path / "t0")
+    spec = _spec(_settings(["--data", str(data), "--work-dir", str(tmp_path / "w"), "--choose"]))
+    needing = {arm["analysis"] for arm in spec["arms"]
+               if arm.get("cluster_sampling", {}).get("selection") in FEATURE_SELECTIONS}
+    assert needing, "the declared candidates include a selection that reads features"
+    assert all(spec["analyses"][name].get("keep_features") for name in needing)
+    others = {arm["analysis"] for arm in spec["arms"]} - needing
+    assert not any(spec["analyses"][name].get("keep_features") for name in others)
