@@ -128,7 +128,9 @@ SYNTHETIC_RECIPE: dict[str, Any] = {
     "instrument": "synthetic", "data": REPO / "ds_cluster" / "toy" / "data" / "default",
     "results_dir": REPO / "bench" / "results", "epochs": 16, "learning_rate": 1e-3, "max_length": 96,
     "micro_batch_size": 8,
-    "arms": SYNTHETIC_ARMS, "ablations": True, "smollm2": None}
+    "arms": SYNTHETIC_ARMS, "ablations": True, "smollm2": None,
+    # The preset as chosen on this instrument (proxy features), so its published figures reproduce.
+    "recommended": {"preset": "recommended", "feature_kind": "proxy"}}
 
 
 def default_base_model(settings: Settings) -> Path:
@@ -334,7 +336,8 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
         base_kind = kind[:-len("_smollm2")] if source == "smollm2" else kind
         block = {**(settings.candidates.get(base_kind) or settings.recommended), **changes}
         if source == "smollm2":
-            block.update(feature_model=feature_sources["smollm2"]["model"],
+            # SmolLM2's proxy features, the candidate measured (its lm_head extraction was not: 49k-word vocabulary).
+            block.update(feature_kind="proxy", feature_model=feature_sources["smollm2"]["model"],
                          feature_max_length=feature_sources["smollm2"]["feature_max_length"])
         return _arm(tag, seed, clustering_analysis(seed, block, source), block, fraction, kind, **extra)
 

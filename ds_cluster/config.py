@@ -25,9 +25,10 @@ PAPER_PRESET: dict[str, Any] = {
     "feature_kind": "proxy",
     "normalize_features": True,
 }
-# ds_cluster's recommended settings: of the synthetic candidates in bench/candidates.json, the lowest mean
-# macro validation answer loss at 30% kept over 4 paired seeds (bench/README.md). Its macro lead
-# over a random subset is within the seed noise; its worst-family lead is not.
+# ds_cluster's recommended settings: of the real candidates in bench/candidates.json, the lowest mean macro
+# validation answer loss on the T0 slice at 30% kept over 4 paired seeds (docs/choosing.md). K, budget,
+# selection and weighting are also the synthetic choice; the output-layer gradient features (lm_head) are
+# the real choice, ahead of a random subset by about its own seed noise.
 RECOMMENDED_PRESET: dict[str, Any] = {
     "num_clusters": 8,
     "budget_mode": "neyman",
@@ -37,7 +38,7 @@ RECOMMENDED_PRESET: dict[str, Any] = {
     "allocation": "stratified",
     "weighting": "cluster",
     "loss_reduction": "token",
-    "feature_kind": "proxy",
+    "feature_kind": "lm_head",
     "normalize_features": True,
 }
 PRESETS: dict[str, dict[str, Any]] = {"paper": PAPER_PRESET, "recommended": RECOMMENDED_PRESET}
@@ -72,7 +73,7 @@ class ClusterSamplingConfig(BaseModel):
     loss_reduction: Literal["sample", "token"] = RECOMMENDED_PRESET["loss_reduction"]
     seed: int = Field(1234, ge=0)
     analysis_path: Optional[str] = None
-    feature_kind: Literal["proxy", "lm_head"] = "proxy"
+    feature_kind: Literal["proxy", "lm_head"] = RECOMMENDED_PRESET["feature_kind"]
     feature_dim: Optional[int] = Field(None, ge=1)
     normalize_features: bool = True
     # A checkpoint folder used only to compute the features (its own forward-only engine and tokenizer).

@@ -137,9 +137,14 @@ def test_real_data_arms_job_spec(tmp_path):
     assert sorted(a["setting"] for a in arms if a.get("stretch")) == ["random_steps_f0.3"] * 4 + \
         ["recommended_steps_f0.3"] * 4
     analyses = spec["analyses"]
-    assert [name for name, a in analyses.items() if a.get("source")] == ["features_own_proxy"]
-    clustering = [a for a in analyses.values() if a.get("features")]
-    assert len(clustering) == 8 and {a["features"] for a in clustering} == {"features_own_proxy"}
+    # The paper preset reads the paper's proxy; the recommended preset its chosen output-layer gradient.
+    assert sorted(name for name, a in analyses.items() if a.get("source")) == [
+        "features_own_lm_head", "features_own_proxy"]
+    clustering = {name: a for name, a in analyses.items() if a.get("features")}
+    assert len(clustering) == 8
+    assert {a["features"] for name, a in clustering.items() if name.startswith("paper_")} == {"features_own_proxy"}
+    assert {a["features"] for name, a in clustering.items() if not name.startswith("paper_")} == {
+        "features_own_lm_head"}
     neardup = [a for a in arms if a["method"] == "neardup"]
     assert all(analyses[a["analysis"]]["seed"] == a["seed"] for a in neardup)
     assert (tmp_path / "work" / "analyses" / "near_duplicates" / "groups.npy").exists()
@@ -154,6 +159,7 @@ def test_real_data_arms_job_spec(tmp_path):
     smollm2_arms = [a for a in spec["arms"] if a["method"] == "recommended_smollm2"]
     assert len(smollm2_arms) == 8
     assert all(a["cluster_sampling"]["feature_model"] == str(fake) for a in smollm2_arms)
+    assert all(a["cluster_sampling"]["feature_kind"] == "proxy" for a in smollm2_arms)  # the candidate measured
     sources = {a["source"]: a for a in spec["analyses"].values() if a.get("source")}
     assert set(sources) == {"own", "smollm2"}
     assert sources["smollm2"]["feature_max_length"] == quality.SMOLLM2_FEATURE_MAX_LENGTH
@@ -294,7 +300,11 @@ def test_real_ablations_job_spec(tmp_path):
             assert analysis["cluster_sampling"]["num_clusters"] == k and analysis["cluster_sampling"]["seed"] == seed
         uncapped = analyses[by_setting["paper_f0.3_capacity_factor-None"][seed]["analysis"]]["cluster_sampling"]
         assert uncapped["capacity_factor"] is None and uncapped["num_clusters"] == "auto"
-    assert {a["features"] for a in analyses.values() if a.get("features")} == {"features_own_proxy"}
+    # The paper's rows read its proxy features; the recommended preset's rows its own (lm_head).
+    assert {a["features"] for a in analyses.values()
+            if a.get("features") and a["cluster_sampling"].get("preset") == "paper"} == {"features_own_proxy"}
+    assert {a["features"] for a in analyses.values()
+            if a.get("features") and a["cluster_sampling"].get("preset") != "paper"} == {"features_own_lm_head"}
 
     # The r-arms: r itself on the paper's clustering, and a random partner whose match names the same analysis
     # and r; the job keeps K x floor(r x smallest cluster) for both.
