@@ -588,6 +588,9 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     if args.choose:
         declared = json.loads((REPO / "bench" / "candidates.json").read_text())[settings.instrument]
         candidates = {name: block for name, block in declared.items() if not name.startswith("_")}  # "_rule"
+        if settings.instrument == "synthetic":
+            # Declared and measured when proxy was the default feature kind; they keep it, so they reproduce.
+            candidates = {name: {"feature_kind": "proxy", **block} for name, block in candidates.items()}
         settings = replace(settings, candidates=candidates, fractions=(settings.headline_fraction,),
                            ablations=False)
     return with_feature_models(settings)

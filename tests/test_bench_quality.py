@@ -335,6 +335,11 @@ def test_synthetic_ablations_are_unchanged(tmp_path):
     assert sorted((a["setting"], a["seed"]) for a in spec["arms"] if a["setting"] in rows or "baseline" in a) == \
         sorted((row, seed) for row in rows for seed in (0, 1))
     assert {a["analysis"] for a in spec["arms"] if a["setting"].startswith("paper_f0.3_")} == {"paper_s0", "paper_s1"}
+    # Its preset and its candidates were chosen on the proxy features and keep them, so its figures reproduce.
+    assert {name for name, a in spec["analyses"].items() if a.get("source")} == {"features_own_proxy"}
+    choose = _spec(_settings(["--synthetic", "--choose", "--data", str(tmp_path / "data"),
+                              "--work-dir", str(tmp_path / "choose")]))
+    assert {name for name, a in choose["analyses"].items() if a.get("source")} == {"features_own_proxy"}
 
 
 def test_report_pairs_an_ablation_with_its_own_random_subset(tmp_path):
