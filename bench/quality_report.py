@@ -141,6 +141,13 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
             entry["vs_random"] = {metric: mean_ci([quality(per_seed[s], split)[metric]
                                                    - quality(baseline[s], split)[metric] for s in paired])
                                   for metric in ("loss_macro", "loss_worst", "em_macro", "em_worst")}
+        # Issue-level goal: the recommended arms against near-duplicate removal of the same kept count, paired.
+        neardup = by_setting.get(f"neardup_f{fraction:g}") if fraction is not None else None
+        if neardup and some["arm"]["method"].startswith("recommended") and "_steps_" not in setting:
+            paired = [s for s in per_seed if s in neardup]
+            entry["vs_neardup"] = {metric: mean_ci([quality(per_seed[s], split)[metric]
+                                                    - quality(neardup[s], split)[metric] for s in paired])
+                                   for metric in ("loss_macro", "loss_worst", "em_macro", "em_worst")}
         settings[setting] = entry
     full_epoch = None
     if full_time:

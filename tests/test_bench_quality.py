@@ -406,3 +406,36 @@ def test_a_clustering_shared_by_several_candidates_keeps_features_for_the_one_th
     assert all(spec["analyses"][name].get("keep_features") for name in needing)
     others = {arm["analysis"] for arm in spec["arms"]} - needing
     assert not any(spec["analyses"][name].get("keep_features") for name in others)
+
+
+def test_real_goals_judge_worst_group_neardup_and_the_other_fraction_by_their_intervals():
+    """Issue-level goals on real data: worse beyond the noise fails, inside the noise holds; beating near-duplicate
+    removal needs the whole interval below 0; the headline fraction alone needs macro strictly below random."""
+    from types import SimpleNamespace
+
+    from bench.quality_goals import evaluate_goals
+
+    def stat(mean, ci):
+        return {"mean": mean, "ci": ci, "n": 4}
+
+    def entry(macro, worst, neardup):
+        return {"ratio_total_cpu": stat(0.3, 0.01), "kept_fraction": stat(0.3, 0.0), "em_macro": stat(0.1, 0.0),
+                "vs_random": {"loss_macro": stat(*macro), "loss_worst": stat(*worst)},
+                "vs_neardup": {"loss_macro": stat(*neardup)}}
+
+    summary = {"settings": {"full": {"em_macro": stat(0.3, 0.0)},
+                            "recommended_f0.3": entry((-0.05, 0.04), (0.03, 0.05), (-0.05, 0.06)),
+                            "recommended_f0.5": entry((0.05, 0.04), (0.10, 0.05), (-0.05, 0.04))}}
+    settings = SimpleNamespace(instrument="real", fractions=(0.3, 0.5), headline_fraction=0.3)
+    met = {row["goal"]: row["met"] for row in evaluate_goals(summary, settings)}
+    assert met["recommended preset, 30% kept: macro answer loss below random's (95% CI of the paired difference < 0)"]
+    assert met["recommended preset, 30% kept: worst-group answer loss no worse than random's beyond the noise"]
+    assert not met["recommended preset, 30% kept: macro answer loss below near-duplicate removal's (95% CI of the "
+                   "paired difference < 0)"]
+    assert not met["recommended preset, 50% kept: macro answer loss no worse than random's beyond the noise"]
+    assert not met["recommended preset, 50% kept: worst-group answer loss no worse than random's beyond the noise"]
+    assert met["recommended preset, 50% kept: macro answer loss below near-duplicate removal's (95% CI of the "
+               "paired difference < 0)"]
+    assert "recommended preset, 30% kept: macro answer loss no worse than random's beyond the noise" not in met
+    synthetic = evaluate_goals(summary, SimpleNamespace(instrument="synthetic", fractions=(0.3,), headline_fraction=0.3))
+    assert not any("near-duplicate" in row["goal"] for row in synthetic)
