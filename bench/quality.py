@@ -549,7 +549,11 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     # Each mode has its own name, so a smoke or choosing run never reuses or overwrites the default's arms.
     name = args.name if args.name != "quality" else (
         "quality_choose" if args.choose else "quality_quick" if args.quick else "quality")
-    command = " ".join(["python bench/quality.py"] + (argv if argv is not None else sys.argv[1:]))
+    given = argv if argv is not None else sys.argv[1:]
+    # A rebuilt report names the run that measured it (the flag only re-reads its arms).
+    command = " ".join(["python bench/quality.py"] + [a for a in given if a != "--report-only"])
+    if "--report-only" in given:
+        command += "; report rebuilt with --report-only"
     settings = Settings(command=command, results_name=name, seeds=tuple(range(args.seeds)))
     if args.synthetic:
         settings = replace(settings, **SYNTHETIC_RECIPE)
