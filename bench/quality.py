@@ -351,10 +351,12 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
         fraction = settings.headline_fraction
         # K != W needs allocation "stratified" (cluster_per_rank is one cluster per rank), so the paper preset
         # with "stratified" alone is the K rows' control. Capacity 3.0 is left out: at K = 2 a factor >= 2
-        # never binds (ceil(3.0 x N / 2) >= N), so it would repeat capacity null sample for sample.
+        # never binds (ceil(3.0 x N / 2) >= N), so it would repeat capacity null sample for sample. On T0 even
+        # 1.5 need not bind at K = 2; at K = 8 the proxy's largest cluster exceeds 1.5 N / 8, hence that α row.
         rows = (("paper", {"weighting": "none"}), ("paper", {"selection": "random"}), ("paper", {"selection": "core"}),
                 ("paper", {"allocation": "stratified"}), ("paper", {"num_clusters": 4, "allocation": "stratified"}),
                 ("paper", {"num_clusters": 8, "allocation": "stratified"}), ("paper", {"capacity_factor": None}),
+                ("paper", {"num_clusters": 8, "allocation": "stratified", "capacity_factor": None}),
                 ("recommended", {"loss_reduction": "sample"}))
         present = {arm["name"] for arm in arms}
         added: list[dict] = []

@@ -306,6 +306,7 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
                  goals: Optional[list[dict]] = None) -> dict[str, Any]:
     """Summaries on validation (and held-out unless validation_only), the markdown, the plot and the JSON."""
     from bench.quality_goals import evaluate_goals
+    from bench.quality_ablations import ablation_rows, ablation_table
 
     work = Path(settings.work_dir)
     results = load_results(work, arms)
@@ -375,11 +376,17 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
         lines += [f"The cluster loader (the hook's sampler: plan lookup, per-epoch set-up, collate) took "
                   f"{np.mean(shares):.2%} of the training loop's wall time on average, at most {max(shares):.2%} "
                   f"(over {len(shares)} arms).", ""]
+    ablations = ablation_rows(arms, results, main_split, getattr(settings, "headline_fraction", 0.3))
+    if ablations:
+        lines += [f"## {main_split}: the paper's ablations beside its claims (paired over seeds, answer loss)", "",
+                  "Below zero: the first setting is better. The paper's figures are pass@1 points on its own "
+                  "benchmarks; only the direction is compared.", "", ablation_table(ablations), ""]
     if goal_rows:
         lines += ["## Goals", ""] + [f"- {g['goal']}: **{'met' if g['met'] else 'NOT met'}** — {g['measured']}"
                                      for g in goal_rows] + [""]
     markdown_path = base.with_suffix(".md")
     markdown_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     base.with_suffix(".json").write_text(json.dumps({"summaries": summaries, "gate": gate, "goals": goal_rows,
+                                                     "ablations": ablations,
                                                      "arms": results, "machine": machine()}, indent=1, default=str))
     return {"markdown_path": markdown_path, "summaries": summaries, "goals": goal_rows}

@@ -239,6 +239,8 @@ REAL_ABLATION_ROWS = {
     "paper_f0.3_num_clusters-4_allocation-stratified": "random_as_paper_f0.3_num_clusters-4_allocation-stratified",
     "paper_f0.3_num_clusters-8_allocation-stratified": "random_as_paper_f0.3_num_clusters-8_allocation-stratified",
     "paper_f0.3_capacity_factor-None": "random_as_paper_f0.3_capacity_factor-None",
+    "paper_f0.3_num_clusters-8_allocation-stratified_capacity_factor-None":
+        "random_as_paper_f0.3_num_clusters-8_allocation-stratified_capacity_factor-None",
     "recommended_f0.3_loss_reduction-sample": "random_f0.3",
 }
 RATIO_ROWS = {f"paper_budget_ratio-{r}": f"random_as_paper_budget_ratio-{r}" for r in ("0.25", "0.5", "0.75")}
@@ -300,6 +302,9 @@ def test_real_ablations_job_spec(tmp_path):
             assert analysis["cluster_sampling"]["num_clusters"] == k and analysis["cluster_sampling"]["seed"] == seed
         uncapped = analyses[by_setting["paper_f0.3_capacity_factor-None"][seed]["analysis"]]["cluster_sampling"]
         assert uncapped["capacity_factor"] is None and uncapped["num_clusters"] == "auto"
+        uncapped_k8 = analyses[by_setting["paper_f0.3_num_clusters-8_allocation-stratified_capacity_factor-None"][seed]
+                               ["analysis"]]["cluster_sampling"]
+        assert uncapped_k8["capacity_factor"] is None and uncapped_k8["num_clusters"] == 8
     # The paper's rows read its proxy features; the recommended preset's rows its own (lm_head).
     assert {a["features"] for a in analyses.values()
             if a.get("features") and a["cluster_sampling"].get("preset") == "paper"} == {"features_own_proxy"}
@@ -439,3 +444,40 @@ def test_real_goals_judge_worst_group_neardup_and_the_other_fraction_by_their_in
     assert "recommended preset, 30% kept: macro answer loss no worse than random's beyond the noise" not in met
     synthetic = evaluate_goals(summary, SimpleNamespace(instrument="synthetic", fractions=(0.3,), headline_fraction=0.3))
     assert not any("near-duplicate" in row["goal"] for row in synthetic)
+
+
+def test_ablations_are_read_beside_the_papers_claims():
+    """Each ablation is a paired difference over shared seeds, read as claimed, the opposite, within the noise, or
+    identical (a change that left the subset as it was); a comparison missing a side is left out."""
+    from bench.quality_ablations import ablation_rows, ablation_table
+
+    losses = {  # setting -> macro held-out loss per seed (two families: loss and loss + 1)
+        "paper_f0.3": [2.0, 2.1, 2.2, 2.3],
+        "paper_f0.3_weighting-none": [2.2, 2.3, 2.4, 2.5],  # weighting helps: as claimed
+        "paper_f0.3_selection-random": [1.8, 1.9, 2.0, 2.1],  # peripheral worse than random: the opposite
+        "paper_f0.3_selection-core": [1.9, 1.8, 2.1, 2.0],  # random minus core: +0.1, -0.1, ...: within the noise
+        "paper_f0.3_capacity_factor-None": [2.0, 2.1, 2.2, 2.3],  # the cap did not bind
+        "full": [1.5, 1.5, 1.5],  # seed 3 missing: r = 0.25 is paired over three seeds
+        "paper_budget_ratio-0.25": [2.5, 2.6, 2.4, 2.5],
+    }
+    arms, results = [], {}
+    for setting, per_seed in losses.items():
+        for seed, loss in enumerate(per_seed):
+            arm = {"name": f"{setting}_s{seed}", "setting": setting, "seed": seed}
+            arms.append(arm)
+            results[arm["name"]] = {"arm": arm, "heldout": {"loss": {"a": loss, "b": loss + 1.0}}}
+    by_first_second = {(row["first"], row["second"]): row for row in ablation_rows(arms, results, "heldout", 0.3)}
+    weighting = by_first_second[("paper_f0.3", "paper_f0.3_weighting-none")]
+    assert weighting["loss_macro"]["mean"] == pytest.approx(-0.2) and weighting["reading"] == "as claimed"
+    assert by_first_second[("paper_f0.3", "paper_f0.3_selection-random")]["reading"] == "the opposite, beyond the noise"
+    core = by_first_second[("paper_f0.3_selection-random", "paper_f0.3_selection-core")]
+    assert core["reading"] == "within the noise"
+    capacity = by_first_second[("paper_f0.3", "paper_f0.3_capacity_factor-None")]
+    assert capacity["reading"] == "identical runs: the change did not alter the subset"
+    ratio = by_first_second[("paper_budget_ratio-0.25", "full")]
+    assert ratio["loss_macro"]["n"] == 3 and ratio["loss_macro"]["mean"] == pytest.approx(1.0)
+    assert ratio["reading"] == "as claimed"  # worse than full data, the claimed direction
+    # Comparisons with a side that never ran (K, allocation, the other r, the loss reduction) are left out.
+    assert len(by_first_second) == 5
+    table = ablation_table(list(by_first_second.values()))
+    assert table.count("\n") == 6 and "weighting helps" in table and "peripheral beats random" in table

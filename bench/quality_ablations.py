@@ -1,0 +1,98 @@
+"""The paper's ablations on real data, each read beside the trend the paper claims.
+
+Every row is a paired difference over the seeds both settings ran (same seed: same data order, same
+k-means seed), in answer loss, so below zero means the first setting is better. A row's reading says
+whether the interval lies on the claimed side, on the other side, or reaches zero (the noise); when
+every paired difference is exactly zero the change did not alter the subset at all (for example a
+capacity cap that does not bind), and the reading says so.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+CLAIM_BETTER = -1  # the paper claims the first setting's loss is lower
+CLAIM_WORSE = 1  # ... higher (less data)
+NO_CLAIM = 0
+
+
+def comparisons(fraction: float) -> list[tuple[str, str, str, str, int]]:
+    """(what, first setting, second setting, the paper's claim, the claimed sign of first minus second)."""
+    paper = f"paper_f{fraction:g}"
+    stratified = f"{paper}_allocation-stratified"
+    rows = [
+        ("weighting: cluster weights minus none", paper, f"{paper}_weighting-none",
+         "weighting helps (without it the paper loses 1.3 points)", CLAIM_BETTER),
+        ("selection: peripheral minus random", paper, f"{paper}_selection-random",
+         "peripheral beats random (56.8 vs 56.1 pass@1)", CLAIM_BETTER),
+        ("selection: random minus core", f"{paper}_selection-random", f"{paper}_selection-core",
+         "random beats core (56.1 vs 55.3 pass@1)", CLAIM_BETTER),
+    ]
+    for ratio in (0.25, 0.5, 0.75):
+        rows.append((f"r = {ratio:g} minus full data", f"paper_budget_ratio-{ratio:g}", "full",
+                     "a gentle loss at r = 0.25" if ratio == 0.25 else "less data, some loss", CLAIM_WORSE))
+    rows.append(("r = 0.25 minus r = 0.75", "paper_budget_ratio-0.25", "paper_budget_ratio-0.75",
+                 "less data, some loss", CLAIM_WORSE))
+    rows += [
+        ("K = 4 minus K = 2 (both stratified)", f"{paper}_num_clusters-4_allocation-stratified", stratified,
+         "none (the paper ties K to the GPU count)", NO_CLAIM),
+        ("K = 8 minus K = 2 (both stratified)", f"{paper}_num_clusters-8_allocation-stratified", stratified,
+         "none (the paper ties K to the GPU count)", NO_CLAIM),
+        ("allocation: one cluster per rank minus stratified (K = 2)", paper, stratified,
+         "none (one cluster per rank is the paper's design)", NO_CLAIM),
+        ("α: cap 1.5 minus no cap (K = 2)", paper, f"{paper}_capacity_factor-None",
+         "none (α = 1.5 is the paper's setting)", NO_CLAIM),
+        ("α: cap 1.5 minus no cap (K = 8, stratified)", f"{paper}_num_clusters-8_allocation-stratified",
+         f"{paper}_num_clusters-8_allocation-stratified_capacity_factor-None",
+         "none (α = 1.5 is the paper's setting)", NO_CLAIM),
+        ("loss: token-weighted minus sample-weighted (recommended preset)", f"recommended_f{fraction:g}",
+         f"recommended_f{fraction:g}_loss_reduction-sample", "none (ds_cluster's option)", NO_CLAIM),
+    ]
+    return rows
+
+
+def _reading(stat: dict, claim: int, identical: bool) -> str:
+    if identical:
+        return "identical runs: the change did not alter the subset"
+    low, high = stat["mean"] - stat["ci"], stat["mean"] + stat["ci"]
+    if low <= 0 <= high or stat["ci"] != stat["ci"]:
+        return "within the noise"
+    side = CLAIM_BETTER if high < 0 else CLAIM_WORSE
+    if claim == NO_CLAIM:
+        return "first lower beyond the noise" if side == CLAIM_BETTER else "first higher beyond the noise"
+    return "as claimed" if side == claim else "the opposite, beyond the noise"
+
+
+def ablation_rows(arms: list[dict], results: dict[str, dict], split: str, fraction: float) -> list[dict[str, Any]]:
+    """The comparisons whose two settings both have finished arms on shared seeds, on `split`."""
+    from bench.quality_report import mean_ci, quality
+
+    by_setting: dict[str, dict[int, dict]] = defaultdict(dict)
+    for arm in arms:
+        if arm["name"] in results and split in results[arm["name"]]:
+            by_setting[arm["setting"]][arm["seed"]] = results[arm["name"]]
+    rows = []
+    for what, first, second, claim, sign in comparisons(fraction):
+        seeds = sorted(set(by_setting.get(first, {})) & set(by_setting.get(second, {})))
+        if not seeds:
+            continue
+        stats, identical = {}, True
+        for metric in ("loss_macro", "loss_worst"):
+            differences = [quality(by_setting[first][s], split)[metric] - quality(by_setting[second][s], split)[metric]
+                           for s in seeds]
+            identical = identical and all(d == 0.0 for d in differences)
+            stats[metric] = mean_ci(differences)
+        rows.append({"what": what, "first": first, "second": second, "claim": claim, "claimed_sign": sign,
+                     **stats, "reading": _reading(stats["loss_macro"], sign, identical)})
+    return rows
+
+
+def ablation_table(rows: list[dict[str, Any]]) -> str:
+    from bench.quality_report import _fmt
+
+    lines = ["| comparison (first minus second) | seeds | answer loss macro | answer loss worst | the paper's claim "
+             "| reading (macro) |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['what']}: `{row['first']}` minus `{row['second']}` | {row['loss_macro']['n']} | "
+                     f"{_fmt(row['loss_macro'])} | {_fmt(row['loss_worst'])} | {row['claim']} | {row['reading']} |")
+    return "\n".join(lines)
