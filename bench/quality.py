@@ -2,8 +2,10 @@
 
     python bench/quality.py                       # the default run: the T0 slice on stories260K (bench/README.md)
     python bench/quality.py --quick               # a smoke run of the same instrument (at most 10 min)
-    python bench/quality.py --data ds_cluster/real/data/flan_cot --name quality_flan_cot
-                                                  # the confirmation mixture (FLAN CoT; chooses nothing)
+    python bench/quality.py --data ds_cluster/real/data/flan_cot --recipe epochs=4 --name quality_flan_cot
+                            --arms random,recommended,neardup
+                                                  # the confirmation mixture (FLAN CoT; chooses no method;
+                                                  # 4 epochs: its gate's recipe, bench/README.md)
     python bench/quality.py --data DIR            # any folder with train.jsonl[.gz] and heldout.jsonl[.gz]
                                                   # (Alpaca fields plus `family`)
     python bench/quality.py --synthetic           # the synthetic instrument (toy tasks, toy base model): a check
