@@ -383,7 +383,8 @@ def main() -> int:
                 if analysis.get("features"):
                     features = spec["analyses"][analysis["features"]]
                     ensure_clustering(analysis, {**features, **ensure_features(features, spec, train)}, spec, train)
-            result = run_arm(arm, spec, train, tokenizer, splits)
+            # The start-up of the job that trained the arm: a resumed run charges each arm its own job's.
+            result = {**run_arm(arm, spec, train, tokenizer, splits), "startup": startup}
             if rank == 0:
                 write_json_atomic(path, result)
                 validation = result["validation"]["loss"]

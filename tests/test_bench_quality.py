@@ -481,3 +481,25 @@ def test_ablations_are_read_beside_the_papers_claims():
     assert len(by_first_second) == 5
     table = ablation_table(list(by_first_second.values()))
     assert table.count("\n") == 6 and "weighting helps" in table and "peripheral beats random" in table
+
+
+def test_each_arm_is_charged_the_start_up_of_the_job_that_trained_it(tmp_path):
+    """A run resumed by a later job (equal steps, ablations) keeps the figures of the arms it did not retrain:
+    each arm carries its own job's start-up; an arm without one is charged the work folder's."""
+    from bench.quality_report import summarize
+
+    (tmp_path / "startup.json").write_text(json.dumps({"cpu": 50.0, "wall": 40.0}))
+    arms, results = [], {}
+    for setting, method, fraction, loop_cpu, startup in (("full", "full", None, 100.0, {"cpu": 20.0, "wall": 10.0}),
+                                                          ("random_f0.3", "random", 0.3, 30.0, None)):
+        arm = {"name": f"{setting}_s0", "setting": setting, "method": method, "seed": 0, "fraction": fraction,
+               "analysis": "one_cluster", "epochs": 2}
+        timing = {"wall": loop_cpu / 2, "cpu": loop_cpu}
+        arms.append(arm)
+        results[arm["name"]] = {"arm": arm, "kept_fraction": fraction or 1.0, "steps": 10,
+                                "time": {"loop": timing, "evaluation": timing},
+                                "validation": {"loss": {"a": 1.0}}, **({"startup": startup} if startup else {})}
+    summary = summarize(arms, results, tmp_path, "validation")
+    # random: the folder's 50 + 30 loop; full: its own 20 + 100 loop.
+    assert summary["settings"]["random_f0.3"]["ratio_total_cpu"]["mean"] == pytest.approx(80.0 / 120.0)
+    assert summary["job_startups"] == [(20.0, 10.0), (50.0, 40.0)]
