@@ -69,6 +69,12 @@ def times(result: dict, startup: dict, analyses_cost: dict) -> dict[str, float]:
     return out
 
 
+def job_startup(result: dict, fallback: dict) -> dict:
+    """The start-up of the job that trained the arm; `fallback` (the work folder's last job) for arms written
+    before arms recorded it."""
+    return result.get("startup", fallback)
+
+
 def load_results(work: Path, arms: list[dict]) -> dict[str, dict]:
     results = {}
     for arm in arms:
@@ -92,7 +98,7 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
     for arm in arms:
         if arm["name"] in results:
             by_setting[arm["setting"]][arm["seed"]] = results[arm["name"]]
-    full_time = {seed: times(r, r.get("startup", startup), costs) for seed, r in by_setting.get("full", {}).items()}
+    full_time = {seed: times(r, job_startup(r, startup), costs) for seed, r in by_setting.get("full", {}).items()}
     base = json.loads((work / "base.json").read_text()) if (work / "base.json").exists() else None
     no_cost = {"wall": 0.0, "cpu": 0.0}
     settings: dict[str, Any] = {}
@@ -103,7 +109,7 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
                                  "steps": mean_ci([r["steps"] for r in per_seed.values()])}
         for metric in ("loss_macro", "loss_worst", "em_macro", "em_worst"):
             entry[metric] = mean_ci([quality(r, split)[metric] for r in per_seed.values()])
-        seed_times = {seed: times(r, r.get("startup", startup), costs) for seed, r in per_seed.items()}
+        seed_times = {seed: times(r, job_startup(r, startup), costs) for seed, r in per_seed.items()}
         for key in ("total_cpu", "loop_selection_cpu", "total_wall", "loop_selection_wall"):
             ratios = [seed_times[s][key] / full_time[s][key] for s in per_seed if s in full_time]
             entry[f"ratio_{key}"] = mean_ci(ratios)
@@ -112,11 +118,11 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
                                         for family in some[split].get(metric) or {}}
                                for metric in ("loss", "exact_match")}
         if base is not None and by_setting.get("full"):
-            reached = {seed: time_to_target(r, base, by_setting["full"][seed], r.get("startup", startup),
+            reached = {seed: time_to_target(r, base, by_setting["full"][seed], job_startup(r, startup),
                                             costs.get(r["arm"]["analysis"], no_cost))
                        for seed, r in per_seed.items() if seed in by_setting["full"]}
             full_reached = {seed: time_to_target(by_setting["full"][seed], base, by_setting["full"][seed],
-                                                 by_setting["full"][seed].get("startup", startup),
+                                                 job_startup(by_setting["full"][seed], startup),
                                                  no_cost) for seed in reached}
             hits = [seed for seed, t in reached.items() if t["reached"]]
             entry["time_to_target"] = {
@@ -160,7 +166,8 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
                   for name, cost in costs.items()}
     base_row = quality(base, split) if base is not None and split in base else None
     # One start-up per job; a run resumed by later jobs holds arms of each.
-    job_startups = sorted({(r.get("startup", startup)["cpu"], r.get("startup", startup)["wall"]) for r in results.values()})
+    job_startups = sorted({(job_startup(r, startup)["cpu"], job_startup(r, startup)["wall"])
+                           for r in results.values()})
     return {"split": split, "settings": settings, "startup": startup, "job_startups": job_startups,
             "selection": extraction, "base": base_row}
 
@@ -281,7 +288,7 @@ def plot(summary: dict, names: list[str], path: Path, results: dict, arms: list[
         result = results.get(arm["name"])
         if result is None or arm["seed"] != first_seed or not result.get("validation_curve"):
             continue
-        offset = result.get("startup", startup)["cpu"] + costs.get(arm["analysis"], {"cpu": 0.0})["cpu"]
+        offset = job_startup(result, startup)["cpu"] + costs.get(arm["analysis"], {"cpu": 0.0})["cpu"]
         curve = result["validation_curve"]
         axes[2].plot([offset + point["loop"]["cpu"] for point in curve], [macro(point["loss"]) for point in curve],
                      marker=".", label=arm["setting"])
@@ -368,7 +375,8 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
               "## Time (CPU s over both ranks, wall s in brackets; mean over seeds)", "", time_table(s, names), "",
               "Start-up of the job that trained an arm, charged to that arm once: " + ", ".join(
                   f"{cpu:.1f} CPU s ({wall:.1f} s wall)" for cpu, wall in s.get("job_startups") or
-                  [(s["startup"]["cpu"], s["startup"]["wall"])]) + ". Selection = the analysis (forward-only feature extraction, once per feature model, + "
+                  [(s["startup"]["cpu"], s["startup"]["wall"])])
+              + ". Selection = the analysis (forward-only feature extraction, once per feature model, + "
               "k-means; or the near-duplicate groups), charged in full to every arm that reads it: " + "; ".join(
                   f"{n}: {c['job_cpu']:.1f} CPU s" + (
                       f", extraction {c['extract_wall']:.1f} s wall = {(c['extract_over_full_epoch'] or 0):.2f} of a "
