@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from bench.quality_report import format_stat
+
 CLAIM_BETTER = -1  # the paper claims the first setting's loss is lower
 CLAIM_WORSE = 1  # ... higher (less data)
 NO_CLAIM = 0
@@ -93,11 +95,9 @@ def ablation_rows(arms: list[dict], results: dict[str, dict], split: str, fracti
 
 
 def ablation_table(rows: list[dict[str, Any]]) -> str:
-    from bench.quality_report import _fmt
-
     lines = ["| comparison (first minus second) | seeds | answer loss macro | answer loss worst | the paper's claim "
              "| reading (macro) |", "|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['what']}: `{row['first']}` minus `{row['second']}` | {row['loss_macro']['n']} | "
-                     f"{_fmt(row['loss_macro'])} | {_fmt(row['loss_worst'])} | {row['claim']} | {row['reading']} |")
+                     f"{format_stat(row['loss_macro'])} | {format_stat(row['loss_worst'])} | {row['claim']} | {row['reading']} |")
     return "\n".join(lines)

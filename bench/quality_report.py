@@ -172,7 +172,8 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
             "selection": extraction, "base": base_row}
 
 
-def _fmt(stat: Optional[dict], digits: int = 3) -> str:
+def format_stat(stat: Optional[dict], digits: int = 3) -> str:
+    """'mean ± ci' of a summary statistic, the mean alone with one seed, '—' where nothing was measured."""
     if stat is None or stat["mean"] != stat["mean"]:
         return "—"
     return f"{stat['mean']:.{digits}f}" if stat["ci"] != stat["ci"] else f"{stat['mean']:.{digits}f} ± {stat['ci']:.{digits}f}"
@@ -196,9 +197,9 @@ def table(summary: dict, names: list[str]) -> str:
                      + (em if em != "—" else "— | —") + " |")
     for name in names:
         e = summary["settings"][name]
-        lines.append(f"| {name} | {len(e['seeds'])} | {_fmt(e['kept_fraction'])} | {e['steps']['mean']:.0f} | "
-                     f"{_fmt(e['ratio_total_cpu'])} | {_fmt(e['ratio_loop_selection_cpu'])} | {_fmt(e['loss_macro'])} | "
-                     f"{_fmt(e['loss_worst'])} | {_fmt(e['em_macro'])} | {_fmt(e['em_worst'])} |")
+        lines.append(f"| {name} | {len(e['seeds'])} | {format_stat(e['kept_fraction'])} | {e['steps']['mean']:.0f} | "
+                     f"{format_stat(e['ratio_total_cpu'])} | {format_stat(e['ratio_loop_selection_cpu'])} | {format_stat(e['loss_macro'])} | "
+                     f"{format_stat(e['loss_worst'])} | {format_stat(e['em_macro'])} | {format_stat(e['em_worst'])} |")
     return "\n".join(lines)
 
 
@@ -209,8 +210,8 @@ def paired_table(summary: dict, names: list[str]) -> str:
         e = summary["settings"][name]
         if "vs_random" in e:
             v = e["vs_random"]
-            lines.append(f"| {name} | {v['loss_macro']['n']} | {_fmt(v['loss_macro'])} | {_fmt(v['loss_worst'])} | "
-                         f"{_fmt(v['em_macro'])} | {_fmt(v['em_worst'])} |")
+            lines.append(f"| {name} | {v['loss_macro']['n']} | {format_stat(v['loss_macro'])} | {format_stat(v['loss_worst'])} | "
+                         f"{format_stat(v['em_macro'])} | {format_stat(v['em_worst'])} |")
     return "\n".join(lines)
 
 
@@ -221,8 +222,8 @@ def full_paired_table(summary: dict, names: list[str]) -> str:
         e = summary["settings"][name]
         if "vs_full" in e:
             v = e["vs_full"]
-            lines.append(f"| {name} | {v['loss_macro']['n']} | {_fmt(v['loss_macro'])} | {_fmt(v['loss_worst'])} | "
-                         f"{_fmt(v['em_macro'])} | {_fmt(v['em_worst'])} |")
+            lines.append(f"| {name} | {v['loss_macro']['n']} | {format_stat(v['loss_macro'])} | {format_stat(v['loss_worst'])} | "
+                         f"{format_stat(v['em_macro'])} | {format_stat(v['em_worst'])} |")
     return "\n".join(lines)
 
 
@@ -236,8 +237,8 @@ def target_table(summary: dict, names: list[str]) -> str:
         if not t["reached"]:
             lines.append(f"| {name} | 0 of {t['of']} | not reached | — | — | — |")
             continue
-        lines.append(f"| {name} | {t['reached']} of {t['of']} | {_fmt(t['epoch'], 2)} | {_fmt(t['cpu'], 0)} | "
-                     f"{_fmt(t['wall'], 0)} | {_fmt(t['ratio_cpu'])} |")
+        lines.append(f"| {name} | {t['reached']} of {t['of']} | {format_stat(t['epoch'], 2)} | {format_stat(t['cpu'], 0)} | "
+                     f"{format_stat(t['wall'], 0)} | {format_stat(t['ratio_cpu'])} |")
     return "\n".join(lines)
 
 
