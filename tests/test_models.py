@@ -63,6 +63,20 @@ def test_unknown_model_name_is_a_clear_error(tmp_path):
         load_model_and_tokenizer(str(tmp_path / "missing"))
 
 
+def test_pretraining_attends_to_the_real_eos_when_padding_with_it():
+    # A tokenizer without a pad token pads with eos; the mask must come from the lengths, not the id.
+    _, tokenizer = models.tiny_model(0)
+    tokenizer.pad_token = tokenizer.eos_token
+    texts = ["12 + 3", "7 + 100 + 4"]
+    input_ids, attention_mask, labels = next(models._pretraining_batches(texts, tokenizer))
+    lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 2 for t in texts]
+    assert attention_mask.sum(dim=1).tolist() == lengths
+    short = lengths.index(min(lengths))
+    assert input_ids[short, lengths[short] - 1] == tokenizer.eos_token_id
+    assert attention_mask[short, lengths[short] - 1] == 1  # the real eos, attended
+    assert attention_mask[short, lengths[short]:].sum() == 0 and (labels[short, lengths[short]:] == -100).all()
+
+
 @pytest.fixture(scope="module")
 def base_model_path(tmp_path_factory) -> str:
     # Two steps: enough to exercise pretraining, saving and the manifest, fast on a busy CPU.

@@ -143,8 +143,12 @@ def _cached_manifest(path: Path, recipe: dict[str, Any]) -> Optional[dict[str, A
     return manifest
 
 
-def _pretraining_batches(texts: list[str], tokenizer) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(input_ids, labels) batches of ``<s> text </s>``, cut to PRETRAIN_MAX_LENGTH, padded to the longest."""
+def _pretraining_batches(texts: list[str], tokenizer) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(input_ids, attention_mask, labels) batches of ``<s> text </s>``, cut to PRETRAIN_MAX_LENGTH, padded to the longest.
+
+    The mask comes from each row's length, not from the pad id, so a tokenizer that pads with its eos
+    token still attends to the real eos.
+    """
     for start in range(0, len(texts), PRETRAIN_BATCH_SIZE):
         rows = [
             ([tokenizer.bos_token_id] + tokenizer(t, add_special_tokens=False)["input_ids"]
@@ -153,11 +157,13 @@ def _pretraining_batches(texts: list[str], tokenizer) -> Iterator[tuple[torch.Te
         ]
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.int64)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.int64)
         labels = torch.full((len(rows), width), -100, dtype=torch.int64)
         for i, row in enumerate(rows):
             input_ids[i, : len(row)] = torch.tensor(row)
+            attention_mask[i, : len(row)] = 1
             labels[i, : len(row)] = torch.tensor(row)
-        yield input_ids, labels
+        yield input_ids, attention_mask, labels
 
 
 # Not ds_cluster.schedules.warmup_cosine: this one (fixed warm-up steps, a floor, the end at step
@@ -191,9 +197,8 @@ def pretrain_base_model(seed: int, steps: int = PRETRAIN_STEPS) -> tuple[PreTrai
     losses: list[float] = []
     batches = _pretraining_batches(texts, tokenizer)
     with _seeded_torch(seed), tqdm(batches, total=steps, desc="pretrain base model", disable=None) as bar:
-        for input_ids, labels in bar:
-            loss = model(input_ids=input_ids, attention_mask=(input_ids != tokenizer.pad_token_id).long(),
-                         labels=labels).loss
+        for input_ids, attention_mask, labels in bar:
+            loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
