@@ -166,8 +166,7 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
                   for name, cost in costs.items()}
     base_row = quality(base, split) if base is not None and split in base else None
     # One start-up per job; a run resumed by later jobs holds arms of each.
-    job_startups = sorted({(job_startup(r, startup)["cpu"], job_startup(r, startup)["wall"])
-                           for r in results.values()})
+    job_startups = sorted({(job["cpu"], job["wall"]) for job in (job_startup(r, startup) for r in results.values())})
     return {"split": split, "settings": settings, "startup": startup, "job_startups": job_startups,
             "selection": extraction, "base": base_row}
 
