@@ -1,37 +1,49 @@
-"""Package metadata for ds_cluster: cluster-balanced sampling for DeepSpeed fine-tuning."""
+"""Package metadata for ds_cluster: cluster-balanced sampling for DeepSpeed fine-tuning.
+
+The wheel is the library only: what a training job imports. The benchmark, its data and models, and the
+toy world of the tests live beside it in the repository (bench/, tests/), not in the package.
+"""
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+HERE = Path(__file__).resolve().parent
+# The one place the version is written: ds_cluster/__init__.py.
+VERSION = re.search(r'^__version__ = "([^"]+)"', (HERE / "ds_cluster" / "__init__.py").read_text(), re.M).group(1)
 
 setup(
     name="ds_cluster",
-    version="0.3.0",
+    version=VERSION,
     description="CluSTER cluster-aware balanced sampling as a DeepSpeed data-efficiency hook",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["ds_cluster", "ds_cluster.*"]),
-    package_data={"ds_cluster": ["toy/data/default/*.jsonl", "toy/data/default/*.md", "toy/base_model/*",
-                              "real/stories260k/*", "real/data/*/*"]},
     install_requires=[
         # torch is installed first by launch/setup_env.sh, pinned to the CPU build on disk.
         "torch>=2.4",
         # Tested with >=0.19.5,<0.20; a newer DeepSpeed gets a warning from install(), not an error.
         "deepspeed>=0.19.5",
-        "hjson>=3.0",
-        "packaging>=23",
-        "psutil>=5.9",
         "transformers>=4.45,<6",
+        # transformers builds ZeRO-3-partitioned models through accelerate.
+        "accelerate>=1.0",
         "datasets>=3.0",
         "scikit-learn>=1.4",
         "numpy>=1.26",
+        "hjson>=3.0",
+        "packaging>=23",
+        "psutil>=5.9",
         "pydantic>=2.5,<3",
         "tqdm>=4.66",
-        "matplotlib>=3.8",
-        "accelerate>=1.0",
-        # ClusterSFTTrainer: SFTTrainer builds the labels while preparing the data from 1.16 on.
-        "trl>=1.16,<2",
     ],
     extras_require={
+        # ClusterSFTTrainer: SFTTrainer builds the labels while preparing the data from 1.16 on.
+        "trl": ["trl>=1.16,<2"],
+        # `ds-cluster report`: the plots.
+        "report": ["matplotlib>=3.8"],
         "faiss": ["faiss-cpu>=1.8"],
+        # mpirun discovery; needs an MPI library to build.
         "mpi": ["mpi4py>=3.1"],
         "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
     },

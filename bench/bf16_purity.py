@@ -37,12 +37,13 @@ def main() -> int:
     from sklearn.metrics import adjusted_rand_score
 
     from ds_cluster import distributed
-    from ds_cluster.analysis import analyze, forward_only_config
+    from ds_cluster.analysis.compute import analyze
+    from ds_cluster.ds_config import forward_only_config
     from ds_cluster.config import ClusterSamplingConfig
-    from ds_cluster.dataset import load_instruction_dataset
-    from ds_cluster.models import load_model_and_tokenizer
-    from ds_cluster.toy.models import base_model_path
-    from ds_cluster.toy.tasks import DEFAULT_DATA
+    from ds_cluster.data.dataset import load_instruction_dataset
+    from ds_cluster.data.models import load_model_and_tokenizer
+    from bench.toy.models import base_model_path
+    from bench.toy.tasks import DEFAULT_DATA
 
     distributed.init_distributed()
     base = json.loads((REPO / "ds_configs" / "zero2.json").read_text())

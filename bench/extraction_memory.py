@@ -27,6 +27,7 @@ def one_case(kind: str, chunk: int, out: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ds_cluster.features.extract import run_extraction
+    from ds_cluster.features.kinds import feature_kind
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=1,
@@ -41,7 +42,7 @@ def one_case(kind: str, chunk: int, out: Path) -> None:
     sample = {"input_ids": input_ids, "attention_mask": torch.ones(length, dtype=torch.int64), "labels": labels}
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
-    result = run_extraction(model, [sample], kind=kind, dim=1024 if kind == "lm_head" else None, batch_size=1,
+    result = run_extraction(model, [sample], kind=kind, dim=1024 if feature_kind(kind).projected else None, batch_size=1,
                             chunk_size=chunk, show_progress=False)
     seconds = time.perf_counter() - started
     np.save(out / f"{kind}_{chunk}.npy", result.features)
@@ -65,7 +66,9 @@ def main() -> int:
 
     chunks = (64, 256, 1024, ANSWER)
     rows = []
-    for kind in ("proxy", "lm_head"):
+    from ds_cluster.features.kinds import FEATURE_KINDS
+
+    for kind in FEATURE_KINDS:
         for chunk in chunks:
             subprocess.run([sys.executable, __file__, "--case", kind, str(chunk), "--work", str(work)], check=True,
                            cwd=REPO)

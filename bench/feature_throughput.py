@@ -66,13 +66,13 @@ def main() -> None:
     import deepspeed
     import torch
 
-    from ds_cluster.dataset import load_instruction_dataset
+    from ds_cluster.data.dataset import load_instruction_dataset
     from ds_cluster.distributed import all_gather_object, get_rank, get_world_size, init_distributed, shutdown
     from ds_cluster.distributed import collectives as distributed_collectives
     from ds_cluster.features.extract import run_extraction
-    from ds_cluster.models import load_model_and_tokenizer
-    from ds_cluster.toy.models import base_model_path
-    from ds_cluster.toy.tasks import generate_mixture
+    from ds_cluster.data.models import load_model_and_tokenizer
+    from bench.toy.models import base_model_path
+    from bench.toy.tasks import generate_mixture
 
     init_distributed()
     rank, world_size = get_rank(), get_world_size()

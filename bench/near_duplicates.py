@@ -1,6 +1,6 @@
 """Near-duplicate removal, an arm of the quality benchmark: MinHash on the prompt, then a seeded fill.
 
-    python bench/near_duplicates.py --data ds_cluster/real/data/t0      # the groups of a mixture, summarised
+    python bench/near_duplicates.py --data bench/real/data/t0      # the groups of a mixture, summarised
 
 The rule (the benchmark's `neardup` arm keeps exactly the kept count of the other arms of its size):
 
@@ -175,8 +175,8 @@ def compute_groups(records: Sequence[Mapping[str, Any]], out_dir: Path) -> dict[
 
 def main(argv: Sequence[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench.quality import data_file
-    from ds_cluster.dataset import read_jsonl
+    from bench.instrument import data_file
+    from ds_cluster.data.dataset import read_jsonl
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, required=True, help="folder with train.jsonl[.gz]")

@@ -2,7 +2,7 @@
 
     python bench/quality.py                       # the default run: the T0 slice on stories260K (bench/README.md)
     python bench/quality.py --quick               # a smoke run of the same instrument (at most 10 min)
-    python bench/quality.py --data ds_cluster/real/data/flan_cot --recipe epochs=4 --name quality_flan_cot
+    python bench/quality.py --data bench/real/data/flan_cot --recipe epochs=4 --name quality_flan_cot
                             --arms random,recommended,neardup
                                                   # the confirmation mixture (FLAN CoT; chooses no method;
                                                   # 4 epochs: its gate's recipe, bench/README.md)
@@ -54,10 +54,11 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from ds_cluster.dataset import read_jsonl, write_jsonl  # noqa: E402
+from ds_cluster.data.dataset import read_jsonl, write_jsonl  # noqa: E402
 from ds_cluster.distributed import free_port  # noqa: E402
-from ds_cluster.selection import FEATURE_SELECTIONS  # noqa: E402
-from ds_cluster.toy.models import default_cache_root  # noqa: E402
+from ds_cluster.planning.selection import SELECTIONS  # noqa: E402
+from bench.instrument import data_file, default_base_model, job_env  # noqa: E402
+from bench.toy.models import default_cache_root  # noqa: E402
 
 logger = logging.getLogger("bench.quality")
 
@@ -88,7 +89,7 @@ class Settings:
     synthetic one (how each recipe was chosen, and that the real one has not passed its gate yet: bench/README.md)."""
 
     instrument: str = "real"  # "real": a real mixture and base model; "synthetic": the toy check of the machinery
-    data: Path = REPO / "ds_cluster" / "real" / "data" / "t0"
+    data: Path = REPO / "bench" / "real" / "data" / "t0"
     work_dir: Path = REPO / "runs" / "bench_real_quality"
     results_dir: Path = REPO / "bench" / "results" / "real"
     results_name: str = "quality"
@@ -127,7 +128,7 @@ class Settings:
 
 
 SYNTHETIC_RECIPE: dict[str, Any] = {
-    "instrument": "synthetic", "data": REPO / "ds_cluster" / "toy" / "data" / "default",
+    "instrument": "synthetic", "data": REPO / "bench" / "toy" / "data" / "default",
     "results_dir": REPO / "bench" / "results", "epochs": 16, "learning_rate": 1e-3, "max_length": 96,
     "micro_batch_size": 8,
     "arms": SYNTHETIC_ARMS, "ablations": True, "smollm2": None,
@@ -135,28 +136,7 @@ SYNTHETIC_RECIPE: dict[str, Any] = {
     "recommended": {"preset": "recommended", "feature_kind": "proxy"}}
 
 
-def default_base_model(settings: Settings) -> Path:
-    """The checkpoint every arm fine-tunes: --base-model, else the instrument's own."""
-    if settings.base_model is not None:
-        return Path(settings.base_model)
-    if settings.instrument == "synthetic":
-        from ds_cluster.toy.models import base_model_path
-
-        return Path(base_model_path())
-    from ds_cluster.real import STORIES260K_DIR
-
-    return STORIES260K_DIR
-
-
 # --------------------------------------------------------------------------- data
-def data_file(folder: Path, name: str) -> Path:
-    """FOLDER/NAME.jsonl, else FOLDER/NAME.jsonl.gz (read_jsonl reads either by its bytes)."""
-    for candidate in (folder / f"{name}.jsonl", folder / f"{name}.jsonl.gz"):
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(f"{folder}: neither {name}.jsonl nor {name}.jsonl.gz")
-
-
 def carve_validation(records: list[dict], fraction: float = VALIDATION_FRACTION, minimum: int = VALIDATION_MIN,
                      seed: int = SPLIT_SEED) -> tuple[list[dict], list[dict]]:
     """(train, validation): `fraction` of every family (at least `minimum`) held out of train, seeded.
@@ -308,7 +288,7 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
         analyses.setdefault(name, {"path": str(root / name), "cluster_sampling": expanded,
                                    "features": features_of(source, expanded)})
         # Arms of one K share its clustering; the first arm's selection need not be the one that reads features.
-        if expanded.get("selection") in FEATURE_SELECTIONS:
+        if SELECTIONS.get_rule(expanded.get("selection", "random")).reads_features:
             analyses[name]["keep_features"] = True
         return name
 
@@ -488,8 +468,6 @@ def write_spec(settings: Settings, data: dict, arms: list[dict], analyses: dict)
 
 def run_job(settings: Settings, spec_path: Path) -> int:
     """The one 2-rank deepspeed launch; its output goes to the console and WORK/job.log."""
-    from tests.launching import job_env
-
     launcher = Path(sys.executable).parent / "deepspeed"
     command = [str(launcher), "--num_gpus", str(WORLD_SIZE), "--master_addr", "127.0.0.1", "--master_port",
                str(free_port()), str(REPO / "bench" / "quality_job.py"), "--spec", str(spec_path)]
@@ -613,7 +591,7 @@ def with_feature_models(settings: Settings) -> Settings:
     if settings.smollm2 is not None and (Path(settings.smollm2) / "config.json").is_file():
         return settings
     reason = (f"{', '.join(wanted)} skipped: no SmolLM2 checkpoint at {settings.smollm2 or SMOLLM2_DIR} "
-              "(write it with `python -m ds_cluster.real.smollm2 --out .cache/smollm2-135m-instruct`)")
+              "(write it with `python -m bench.real.smollm2 --out .cache/smollm2-135m-instruct`)")
     logger.warning(reason)
     return replace(settings, arms=tuple(a for a in settings.arms if a not in wanted), smollm2=None,
                    candidates={k: v for k, v in settings.candidates.items() if k not in wanted},

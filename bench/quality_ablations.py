@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from bench.quality_report import format_stat
+from bench.stats import format_stat
 
 CLAIM_BETTER = -1  # the paper claims the first setting's loss is lower
 CLAIM_WORSE = 1  # ... higher (less data)
@@ -72,7 +72,7 @@ def _reading(stat: dict, claim: int, identical: bool) -> str:
 
 def ablation_rows(arms: list[dict], results: dict[str, dict], split: str, fraction: float) -> list[dict[str, Any]]:
     """The comparisons whose two settings both have finished arms on shared seeds, on `split`."""
-    from bench.quality_report import mean_ci, quality
+    from bench.stats import mean_ci, quality
 
     by_setting: dict[str, dict[int, dict]] = defaultdict(dict)
     for arm in arms:

@@ -37,10 +37,10 @@ import torch  # noqa: E402
 
 from bench.quality_gate import calibration_gate  # noqa: E402
 from ds_cluster import distributed  # noqa: E402
-from ds_cluster.dataset import InstructionDataset, read_jsonl, trim_padding_collate  # noqa: E402
+from ds_cluster.data.dataset import InstructionDataset, read_jsonl, trim_padding_collate  # noqa: E402
 from ds_cluster.fileio import write_json_atomic  # noqa: E402
-from ds_cluster.schedules import warmup_cosine  # noqa: E402
-from ds_cluster.selection import FEATURE_SELECTIONS  # noqa: E402
+from ds_cluster.loader.lr_schedules import warmup_cosine  # noqa: E402
+from ds_cluster.planning.selection import SELECTIONS  # noqa: E402
 
 EVALUATION_BATCH = 32
 
@@ -76,8 +76,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict], spec: 
              exact_match_families: Sequence[str]) -> dict[str, Any]:
     """Answer loss per family, and greedy exact match per family of `exact_match_families`, the records
     shared out over the ranks (collective). Generation runs to each batch's longest reference answer plus a
-    margin (ds_cluster.real.evaluate.greedy_answers)."""
-    from ds_cluster.real.evaluate import answer_nll, greedy_answers, mean_by_group
+    margin (ds_cluster.evaluate.greedy_answers)."""
+    from ds_cluster.evaluate import answer_nll, greedy_answers, mean_by_group
 
     rank, world = distributed.get_rank(), distributed.get_world_size()
     mine = records[rank::world]
@@ -100,7 +100,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict], spec: 
 
 def copy_probe(model: torch.nn.Module, tokenizer: Any, spec: dict) -> float:
     """The synthetic base model's greedy exact match copying strings of 3 to 8 random letters (collective)."""
-    from ds_cluster.toy.pretraining import copy_probe_records
+    from bench.toy.pretraining import copy_probe_records
 
     records = copy_probe_records(count=spec["copy_probe_records"], seed=spec["copy_probe_seed"])
     result = evaluate(model, tokenizer, [dict(r, family="copy") for r in records], spec, ["copy"])
@@ -112,9 +112,10 @@ def ensure_features(analysis: dict, spec: dict, train: InstructionDataset) -> di
     """Extract one feature model's features of the training data once (collective); its cost from its record."""
     import deepspeed
 
-    from ds_cluster.analysis import analyze, forward_only_config
+    from ds_cluster.analysis.compute import analyze
+    from ds_cluster.ds_config import forward_only_config
     from ds_cluster.config import ClusterSamplingConfig
-    from ds_cluster.models import load_model_and_tokenizer
+    from ds_cluster.data.models import load_model_and_tokenizer
 
     record = Path(analysis["path"]) / "cost.json"
     if not exists_on_rank0(record):
@@ -151,10 +152,10 @@ def ensure_features(analysis: dict, spec: dict, train: InstructionDataset) -> di
 def ensure_clustering(analysis: dict, features: dict, spec: dict, train: InstructionDataset) -> dict[str, float]:
     """k-means of a feature analysis with this analysis's settings and seed, on rank 0; its cost is the
     extraction's plus its own (collective)."""
-    from ds_cluster.analysis_dir import AnalysisDir
-    from ds_cluster.clustering import category_counts, cluster_by_config, purity, spread_to_all
+    from ds_cluster.analysis.folder import AnalysisDir
+    from ds_cluster.clustering.kmeans import category_counts, cluster_by_config, purity, spread_to_all
     from ds_cluster.config import ClusterSamplingConfig
-    from ds_cluster.dataset import dataset_fingerprint
+    from ds_cluster.data.dataset import dataset_fingerprint
 
     record = Path(analysis["path"]) / "cost.json"
     if not exists_on_rank0(record):
@@ -174,7 +175,7 @@ def ensure_clustering(analysis: dict, features: dict, spec: dict, train: Instruc
                 names, counts = category_counts(labels, train.categories, num_clusters)
                 arrays = {"labels.npy": labels, "distances.npy": distances, "empty_mask.npy": empty,
                           "centroids.npy": np.asarray(clusters.centroids, dtype=np.float32)}
-                if analysis.get("keep_features") or settings.selection in FEATURE_SELECTIONS:
+                if analysis.get("keep_features") or SELECTIONS[settings.selection].reads_features:
                     arrays["features.npy"] = points
                 own = clock.read()
                 summary = {"num_samples": len(train), "num_clusters": num_clusters,
@@ -253,7 +254,7 @@ def run_arm(arm: dict, spec: dict, train: InstructionDataset, tokenizer: Any, sp
             ) -> dict[str, Any]:
     """Train one arm from the base model and evaluate it (collective)."""
     import ds_cluster
-    from ds_cluster.models import load_model_and_tokenizer
+    from ds_cluster.data.models import load_model_and_tokenizer
 
     load_before = os.getloadavg()
     torch.manual_seed(arm["seed"])
@@ -346,7 +347,7 @@ def main() -> int:
     distributed.init_distributed()
     rank = distributed.get_rank()
     random.seed(0)
-    from ds_cluster.models import load_model_and_tokenizer
+    from ds_cluster.data.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(spec["base_model"], rank=rank)
     train = InstructionDataset(read_jsonl(spec["train"]), tokenizer, max_length=spec["max_length"], rank=rank)

@@ -12,7 +12,6 @@ loop time until the first epoch-end validation at or below the target; "not reac
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 from collections import defaultdict
@@ -21,25 +20,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from bench.instrument import default_base_model
+from bench.stats import format_stat, mean_ci, quality
+
 TARGET_SHARE = 0.05
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
-def mean_ci(values: Sequence[float]) -> dict[str, float]:
-    """Mean and the half-width of its 95% confidence interval (Student t over the seeds; nan for one seed)."""
-    array = np.asarray(values, dtype=np.float64)
-    if array.size < 2:
-        return {"mean": float(array.mean()) if array.size else float("nan"), "ci": float("nan"), "n": int(array.size)}
-    half = T_975.get(array.size - 1, 1.96) * array.std(ddof=1) / math.sqrt(array.size)
-    return {"mean": float(array.mean()), "ci": float(half), "n": int(array.size)}
-
-
-def quality(result: dict, split: str) -> dict[str, float]:
-    """Macro and worst-family answer loss, and exact match over the label families, of one arm on one split."""
-    loss, em = result[split]["loss"], result[split].get("exact_match") or {}
-    return {"loss_macro": float(np.mean(list(loss.values()))), "loss_worst": float(max(loss.values())),
-            "em_macro": float(np.mean(list(em.values()))) if em else float("nan"),
-            "em_worst": float(min(em.values())) if em else float("nan")}
 
 
 def macro(by_family: dict[str, float]) -> float:
@@ -169,13 +153,6 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
     job_startups = sorted({(job["cpu"], job["wall"]) for job in (job_startup(r, startup) for r in results.values())})
     return {"split": split, "settings": settings, "startup": startup, "job_startups": job_startups,
             "selection": extraction, "base": base_row}
-
-
-def format_stat(stat: Optional[dict], digits: int = 3) -> str:
-    """'mean ± ci' of a summary statistic, the mean alone with one seed, '—' where nothing was measured."""
-    if stat is None or stat["mean"] != stat["mean"]:
-        return "—"
-    return f"{stat['mean']:.{digits}f}" if stat["ci"] != stat["ci"] else f"{stat['mean']:.{digits}f} ± {stat['ci']:.{digits}f}"
 
 
 def _order(name: str) -> tuple:
@@ -333,7 +310,6 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
              for arm in arms if (work / "analyses" / arm["analysis"] / "cost.json").exists()}
     plot(summaries[main_split], names, base.with_suffix(".png"), results, arms, costs)
     instrument = getattr(settings, "instrument", "synthetic")
-    from bench.quality import default_base_model
 
     lines = [f"# Quality benchmark: {settings.results_name}", "",
              f"Command: `{settings.command}`. Machine: {machine()}.",

@@ -32,14 +32,14 @@ def main() -> int:
     import torch
 
     from ds_cluster import ClusterSamplingConfig, build_plan
-    from ds_cluster.dataset import load_instruction_dataset
-    from ds_cluster.sampler import ClusterDataLoader
-    from ds_cluster.toy.tasks import DEFAULT_DATA
-    from ds_cluster.toy.tokenizer import build_tokenizer
+    from ds_cluster.data.dataset import load_instruction_dataset
+    from ds_cluster.loader.sampler import ClusterDataLoader
+    from bench.toy.tasks import DEFAULT_DATA
+    from bench.toy.tokenizer import build_tokenizer
 
     torch.set_num_threads(1)
     dataset = load_instruction_dataset(DEFAULT_DATA / "train.jsonl", build_tokenizer(), max_length=96)
-    labels = np.array([sorted(set(dataset.families)).index(f) for f in dataset.families], dtype=np.int64)
+    labels = np.array([sorted(set(dataset.categories)).index(f) for f in dataset.categories], dtype=np.int64)
     config = ClusterSamplingConfig.from_dict({"enabled": True, "preset": "recommended", "budget_ratio": 1.0,
                                               "selection": "random"})
     plan = build_plan(None, config, world_size=2, micro_batch_size=8, gradient_accumulation_steps=1, labels=labels)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 def timed_epoch(engine, loader) -> tuple[list[float], list[float]]:
     """Seconds waiting for each micro-batch and seconds of each training step, over one epoch."""
-    from ds_cluster.loss import token_loss_sums, weighted_causal_lm_loss
+    from ds_cluster.loader.loss import token_loss_sums, weighted_causal_lm_loss
 
     waits, steps = [], []
     iterator = iter(loader)
@@ -62,10 +62,10 @@ def main() -> int:
 
     import ds_cluster
     from ds_cluster import distributed
-    from ds_cluster.dataset import load_instruction_dataset, trim_padding_collate
-    from ds_cluster.models import load_model_and_tokenizer
-    from ds_cluster.toy.models import base_model_path
-    from ds_cluster.toy.tasks import DEFAULT_DATA
+    from ds_cluster.data.dataset import load_instruction_dataset, trim_padding_collate
+    from ds_cluster.data.models import load_model_and_tokenizer
+    from bench.toy.models import base_model_path
+    from bench.toy.tasks import DEFAULT_DATA
 
     distributed.init_distributed()
     rank = distributed.get_rank()
@@ -74,9 +74,9 @@ def main() -> int:
         (work / "analysis").mkdir(parents=True, exist_ok=True)
     dataset = load_instruction_dataset(DEFAULT_DATA / "train.jsonl", load_model_and_tokenizer(base_model_path())[1],
                                        max_length=96)
-    families = sorted(set(dataset.families))
+    families = sorted(set(dataset.categories))
     if rank == 0:  # family labels stand in for an analysis: the loader's cost does not depend on them
-        np.save(work / "analysis" / "labels.npy", np.array([families.index(f) for f in dataset.families]))
+        np.save(work / "analysis" / "labels.npy", np.array([families.index(f) for f in dataset.categories]))
     distributed.all_gather_object(None)  # the labels exist before any rank reads them
     base = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},

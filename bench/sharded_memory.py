@@ -45,7 +45,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from ds_cluster import distributed
-    from ds_cluster.clustering_sharded import cluster_sharded
+    from ds_cluster.clustering.sharded import cluster_sharded
 
     distributed.init_distributed()
     rank, world = distributed.get_rank(), distributed.get_world_size()

@@ -19,9 +19,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ds_cluster.dataset import InstructionDataset, read_jsonl, trim_padding_collate  # noqa: E402
-from ds_cluster.models import load_model_and_tokenizer  # noqa: E402
-from ds_cluster.real import STORIES260K_DIR, T0_DIR  # noqa: E402
+from ds_cluster.data.dataset import InstructionDataset, read_jsonl, trim_padding_collate  # noqa: E402
+from ds_cluster.data.models import load_model_and_tokenizer  # noqa: E402
+from bench.real import STORIES260K_DIR, T0_DIR  # noqa: E402
 
 BATCH = 32
 

@@ -1,28 +1,37 @@
 """ds_cluster: CluSTER cluster-balanced sampling for DeepSpeed fine-tuning.
 
 The public names are loaded lazily so that `import ds_cluster` stays cheap
-(no torch or DeepSpeed import until a name that needs them is used).
+(no torch, DeepSpeed, TRL or matplotlib import until a name that needs them is used).
+The package is laid out in the pipeline's order (docs/design.md): data, features,
+clustering, analysis, planning, loader, report, integrations, cli.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-__version__ = "0.2.0"
+__version__ = "0.4.0"
 
 _PUBLIC = {
     "ClusterSamplingConfig": "ds_cluster.config",
-    "Plan": "ds_cluster.plan",
-    "build_plan": "ds_cluster.plan",
-    "weighted_lm_loss": "ds_cluster.loss",
-    "weighted_causal_lm_loss": "ds_cluster.loss",
+    "Plan": "ds_cluster.planning.plan",
+    "build_plan": "ds_cluster.planning.plan",
+    "weighted_lm_loss": "ds_cluster.loader.loss",
+    "weighted_causal_lm_loss": "ds_cluster.loader.loss",
     "install": "ds_cluster.integrations.deepspeed",
     "uninstall": "ds_cluster.integrations.deepspeed",
     "initialize": "ds_cluster.integrations.deepspeed",
     "extract_features": "ds_cluster.features.extract",
-    "analyze": "ds_cluster.analysis",
-    "AnalysisDir": "ds_cluster.analysis_dir",
+    "analyze": "ds_cluster.analysis.compute",
+    "AnalysisDir": "ds_cluster.analysis.folder",
     "ClusterTrainer": "ds_cluster.integrations.hf",
+    "ClusterSFTTrainer": "ds_cluster.integrations.trl",
+    "ClusterSetup": "ds_cluster.integrations.setup",
+    "InstructionDataset": "ds_cluster.data.dataset",
+    "load_instruction_dataset": "ds_cluster.data.dataset",
+    "trim_padding_collate": "ds_cluster.data.dataset",
+    "load_model_and_tokenizer": "ds_cluster.data.models",
+    "evaluate_model": "ds_cluster.evaluate",
 }
 
 __all__ = sorted(_PUBLIC) + ["__version__"]

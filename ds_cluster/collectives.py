@@ -10,9 +10,11 @@ rank, never a rank left waiting in a collective.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import numpy as np
+
+Result = TypeVar("Result")
 
 
 def _gather_alone(value: Any) -> list[Any]:
@@ -52,6 +54,23 @@ class Collectives:
         exc_type = (type(error) if error is not None and isinstance(error, (ValueError, FileNotFoundError))
                     else RuntimeError)
         raise exc_type(f"{what} failed on ranks {sorted(failed)}: {summary}")
+
+    def run_agreed(self, what: str, function: Callable[[], Result], *, only_rank: Optional[int] = None,
+                   errors: tuple[type[BaseException], ...] = (ValueError, OSError)) -> Optional[Result]:
+        """Collective: call `function` (on every rank, or on `only_rank` alone), then agree on the outcome.
+
+        If it raised one of `errors` on any rank, every rank raises (`agree_on_error`); otherwise its
+        result is returned (None on the ranks that did not call it). Other exceptions propagate at once.
+        """
+        error: Optional[BaseException] = None
+        result: Optional[Result] = None
+        if only_rank is None or self.rank == only_rank:
+            try:
+                result = function()
+            except errors as err:
+                error = err
+        self.agree_on_error(error, what)
+        return result
 
     def check_agreement(self, value: Any, what: str) -> None:
         """Raise on every rank, naming the ranks that differ from rank 0, if the values disagree."""

@@ -2,6 +2,12 @@
 
 It lives at ``data_efficiency.data_sampling.cluster_sampling``; DeepSpeed keeps
 unknown keys there, so the same file drives both DeepSpeed and ds_cluster.
+
+The keys that name a rule (feature kind, budget, selection, weighting,
+allocation, clustering back-end) are validated against the rule registries
+of the stages, so this module sits above the features, clustering and
+planning floors: those stages never import it (they are handed the config
+object or plain values).
 """
 from __future__ import annotations
 
@@ -10,7 +16,14 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ds_cluster.clustering.kmeans import BACKENDS
 from ds_cluster.ds_config import BLOCK_PATH, ConfigSource, cluster_block, read_ds_config
+from ds_cluster.features.kinds import FEATURE_KINDS
+from ds_cluster.planning.allocation import ALLOCATIONS
+from ds_cluster.planning.budget import BUDGETS
+from ds_cluster.planning.selection import SELECTIONS
+from ds_cluster.planning.weights import WEIGHTINGS
+from ds_cluster.registry import Registry
 
 # What the reference implementation does (docs/design.md, "The paper preset").
 PAPER_PRESET: dict[str, Any] = {
@@ -42,6 +55,13 @@ RECOMMENDED_PRESET: dict[str, Any] = {
     "normalize_features": True,
 }
 PRESETS: dict[str, dict[str, Any]] = {"paper": PAPER_PRESET, "recommended": RECOMMENDED_PRESET}
+# The keys that name a rule, and the registry each is read from (the one list of the names there are).
+RULE_REGISTRIES: dict[str, Registry] = {"feature_kind": FEATURE_KINDS, "budget_mode": BUDGETS, "selection": SELECTIONS,
+                                        "weighting": WEIGHTINGS, "allocation": ALLOCATIONS, "backend": BACKENDS}
+RULE_KEYS = tuple(RULE_REGISTRIES)
+# Keys added after plans were first fingerprinted: in a plan's settings (and so its fingerprint) only when set away
+# from their defaults, so a plan built without them keeps its fingerprint and its checkpoints resume.
+KEYS_RECORDED_WHEN_SET = ("weight_temperature", "dedup_similarity")
 
 
 class ClusterSamplingConfig(BaseModel):
@@ -53,27 +73,26 @@ class ClusterSamplingConfig(BaseModel):
     preset: Optional[Literal["paper", "recommended"]] = None
     # The defaults are the recommended preset: the best setting measured.
     num_clusters: Union[Literal["auto"], int] = RECOMMENDED_PRESET["num_clusters"]
-    budget_mode: Literal["min", "proportional", "equal", "neyman"] = RECOMMENDED_PRESET["budget_mode"]
+    budget_mode: str = RECOMMENDED_PRESET["budget_mode"]
     budget_ratio: float = Field(1.0, gt=0.0, le=1.0)
     budget_samples: Optional[int] = Field(None, ge=1)
-    selection: Literal["peripheral", "core", "random", "mix", "norm", "spread", "kcenter", "semdedup"] = (
-        RECOMMENDED_PRESET["selection"])
+    selection: str = RECOMMENDED_PRESET["selection"]
     # semdedup: cosine similarity at or above which a sample is a near-duplicate of one read before it.
     dedup_similarity: float = Field(0.95, gt=0.0, le=1.0)
     capacity_factor: Optional[float] = Field(RECOMMENDED_PRESET["capacity_factor"], ge=1.0)
     capacity_neighbors: int = Field(8, ge=1)
     kmeans_n_init: int = Field(10, ge=1)
     kmeans_max_iter: int = Field(300, ge=1)
-    backend: Literal["sklearn", "faiss"] = "sklearn"
+    backend: str = "sklearn"
     sharded_clustering: bool = False
-    allocation: Literal["stratified", "cluster_per_rank"] = "stratified"
-    weighting: Literal["cluster", "none"] = RECOMMENDED_PRESET["weighting"]
+    allocation: str = "stratified"
+    weighting: str = RECOMMENDED_PRESET["weighting"]
     # t in ((n_c/N) / (s_c/S)) ** t: 1 the unbiased weights, 0 none; between, less variance for some bias.
     weight_temperature: float = Field(1.0, ge=0.0, le=1.0)
     loss_reduction: Literal["sample", "token"] = RECOMMENDED_PRESET["loss_reduction"]
     seed: int = Field(1234, ge=0)
     analysis_path: Optional[str] = None
-    feature_kind: Literal["proxy", "lm_head"] = RECOMMENDED_PRESET["feature_kind"]
+    feature_kind: str = RECOMMENDED_PRESET["feature_kind"]
     feature_dim: Optional[int] = Field(None, ge=1)
     normalize_features: bool = True
     # A checkpoint folder used only to compute the features (its own forward-only engine and tokenizer).
@@ -91,14 +110,10 @@ class ClusterSamplingConfig(BaseModel):
             return merged
         return values
 
-    @field_validator("feature_kind", mode="before")
+    @field_validator(*RULE_KEYS, mode="before")
     @classmethod
-    def _no_layers(cls, value: Any) -> Any:
-        if value == "layers":
-            raise ValueError("feature kind 'layers' is not available (per-sample gradients of inner layers are not "
-                             "implemented); use 'proxy' (the paper's feature) or 'lm_head' (the exact output-layer "
-                             "gradient, projected)")
-        return value
+    def _names_a_rule(cls, value: Any, info: Any) -> Any:
+        return RULE_REGISTRIES[info.field_name].check_name(value)
 
     @model_validator(mode="after")
     def _check_num_clusters(self) -> "ClusterSamplingConfig":
@@ -109,6 +124,14 @@ class ClusterSamplingConfig(BaseModel):
     def resolved_num_clusters(self, world_size: int) -> int:
         """K: the configured number, or the data-parallel world size for "auto"."""
         return world_size if self.num_clusters == "auto" else int(self.num_clusters)
+
+    def plan_settings(self) -> dict[str, Any]:
+        """The keys a plan records and fingerprints: all but the switch, the preset and where the input is."""
+        settings = self.model_dump(exclude={"enabled", "analysis_path", "preset"})
+        for key in KEYS_RECORDED_WHEN_SET:
+            if settings[key] == type(self).model_fields[key].default:
+                del settings[key]
+        return settings
 
     # ------------------------------------------------------------------ parsing
     @classmethod

@@ -238,7 +238,8 @@ def _sees_shared_token(path: Path, grace_s: float) -> bool:
         time.sleep(0.2)
 
 
-def check_shared_path(path: Union[str, os.PathLike], what: str, grace_s: float = 5.0) -> None:
+def check_shared_path(path: Union[str, os.PathLike], what: str, grace_s: float = 5.0,
+                      ranks: Optional[Collectives] = None) -> None:
     """Collective: check that every rank sees the same folder `path`, or raise on every rank.
 
     Ranks on different hosts share the analysis directory, the feature store and
@@ -247,22 +248,24 @@ def check_shared_path(path: Union[str, os.PathLike], what: str, grace_s: float =
     saw with `all_gather_object`: a rank that cannot see the file (a local disk,
     a different mount) fails the job on every rank with the ranks, their hosts
     and the path named, instead of a hang or a wrong result later. The token is
-    removed afterwards. Without a process group (or with one rank) this does nothing.
+    removed afterwards. `ranks`: the ranks that share it (default: every rank). Without a process group (or
+    with one rank) this does nothing.
     """
-    if not is_initialized() or get_world_size() == 1:
+    ranks = ranks if ranks is not None else collectives()
+    if ranks.world_size == 1:
         return
-    folder, rank = Path(path), get_rank()
+    folder, rank = Path(path), ranks.rank
     token_name, write_error = _write_shared_token(folder) if rank == 0 else (None, None)
     try:
         # The gather is the barrier: nobody looks for the token before rank 0 has written it.
-        token_name, write_error, writer_host = all_gather_object((token_name, write_error, socket.gethostname()))[0]
+        token_name, write_error, writer_host = ranks.gather((token_name, write_error, socket.gethostname()))[0]
         if write_error is not None:
             raise SharedPathError(
                 f"the {what} {folder} must be a folder on a filesystem shared by every rank, but on rank 0 "
                 f"(host {writer_host}) {write_error}"
             )
         sees = _sees_shared_token(folder / token_name, grace_s)
-        views = all_gather_object((sees, socket.gethostname()))
+        views = ranks.gather((sees, socket.gethostname()))
     finally:
         if rank == 0 and token_name is not None:
             (folder / token_name).unlink(missing_ok=True)

@@ -100,3 +100,22 @@ def config_in_call(arguments: Mapping[str, Any]) -> Optional[Any]:
     if from_args is not None:
         return None if config is not None else from_args
     return config
+
+
+# Parts of a training config a forward-only engine must not build (optimizer states,
+# a scheduler, the data-efficiency sampler that ds_cluster itself provides).
+_TRAINING_ONLY_KEYS = ("optimizer", "scheduler", "data_efficiency")
+
+
+def forward_only_config(ds_config: Mapping[str, Any]) -> dict:
+    """A copy of the DeepSpeed config for an engine that only runs forward passes.
+
+    ZeRO stages 1 and 2 shard optimizer states and gradients, not parameters,
+    and DeepSpeed refuses them without an optimizer: their forward is stage 0's.
+    Stage 3 (sharded parameters) is kept.
+    """
+    config = {key: value for key, value in ds_config.items() if key not in _TRAINING_ONLY_KEYS}
+    zero = dict(config.get("zero_optimization") or {})
+    if int(zero.get("stage", 0)) in (1, 2):
+        config["zero_optimization"] = {**zero, "stage": 0}
+    return config

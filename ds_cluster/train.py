@@ -1,7 +1,7 @@
 """Fine-tune a Hugging Face causal LM with DeepSpeed and cluster-balanced sampling.
 
     deepspeed --num_gpus 2 --module ds_cluster.train --deepspeed ds_configs/zero3.json \\
-        --model ds_cluster/toy/base_model --data ds_cluster/toy/data/default/train.jsonl \\
+        --model MODEL_DIR --data data/train.jsonl \\
         --analysis runs/demo/analysis --output-dir runs/demo/train --epochs 1
 
 Works the same under `mpirun -np N python -m ds_cluster.train ...` (rank 0's
@@ -29,12 +29,12 @@ import torch
 
 import ds_cluster
 from ds_cluster import distributed
-from ds_cluster.dataset import DEFAULT_MAX_LENGTH, load_instruction_dataset, trim_padding_collate
+from ds_cluster.data.dataset import DEFAULT_MAX_LENGTH, load_instruction_dataset, trim_padding_collate
 from ds_cluster.ds_config import BLOCK_PATH, read_ds_config
 from ds_cluster.fileio import write_json_atomic
-from ds_cluster.loss import weighted_causal_lm_loss
-from ds_cluster.models import load_model_and_tokenizer
-from ds_cluster.schedules import warmup_cosine
+from ds_cluster.loader.loss import weighted_causal_lm_loss
+from ds_cluster.data.models import load_model_and_tokenizer
+from ds_cluster.loader.lr_schedules import warmup_cosine
 
 logger = logging.getLogger("ds_cluster.train")
 

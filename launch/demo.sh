@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on real material, after set-up: two 2-rank DeepSpeed fine-tunes of a real pretrained model
-# (stories260K, ds_cluster/real/stories260k) on real instruction data (the T0 slice, 7 task groups),
+# (stories260K, bench/real/stories260k) on real instruction data (the T0 slice, 7 task groups),
 # at the same epochs, side by side:
 #   1. ds_cluster's recommended preset keeping 30%: ONE launch computes per-sample gradient features
 #      with its own engine, clusters them, plans a cluster-balanced subset and trains on it;
@@ -17,8 +17,8 @@ CONFIG=${DEMO_CONFIG:-ds_configs/recommended.json}
 EPOCHS=${DEMO_EPOCHS:-2}
 TRAIN_FRACTION=${DEMO_TRAIN_FRACTION:-0.15}      # of every group of the 9,000 T0 train records
 HELDOUT_PER_GROUP=${DEMO_HELDOUT_PER_GROUP:-100} # a seeded 100 of the 150 held-out records of every group (0: all)
-DATA_DIR=ds_cluster/real/data/t0
-BASE=ds_cluster/real/stories260k
+DATA_DIR=bench/real/data/t0
+BASE=bench/real/stories260k
 PORT=${DEMO_PORT:-29517}
 # One torch thread per process: the two ranks share the two cores, and a second thread spin-waits whenever the
 # other core is busy (measured on a shared 2-core machine: selection 10x and evaluation 3x slower with 2 threads).
@@ -38,9 +38,9 @@ import json, os, sys
 from collections import Counter
 import numpy as np
 from transformers import AutoTokenizer
-from ds_cluster.dataset import encode_example, read_records, write_jsonl
+from ds_cluster.data.dataset import encode_example, read_records, write_jsonl
 from ds_cluster.ds_config import read_ds_config
-from ds_cluster.special_tokens import ensure_pad_token
+from ds_cluster.data.special_tokens import ensure_pad_token
 
 config_path, out, data_dir, base, fraction, per_group = sys.argv[1:7]
 rng = np.random.default_rng(0)
@@ -97,7 +97,7 @@ echo "== 4/4 held-out answer loss per task group (and exact match on the label g
 pids=()
 for name in base full recommended; do
   model="$OUT/$name/model"; [ "$name" = base ] && model="$BASE"
-  TQDM_DISABLE=1 python -m ds_cluster.real.evaluate --model "$model" --data "$OUT/heldout.jsonl" \
+  TQDM_DISABLE=1 python -m ds_cluster.evaluate --model "$model" --data "$OUT/heldout.jsonl" \
     --max-length "$MAX_LENGTH" --out "$OUT/heldout_$name.json" &
   pids+=($!)
 done
@@ -105,7 +105,7 @@ for pid in "${pids[@]}"; do wait "$pid"; done
 python - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
-from ds_cluster.report import format_run_summary, run_summary
+from ds_cluster.report.summary import format_run_summary, run_summary
 
 out = Path(sys.argv[1])
 rows = []

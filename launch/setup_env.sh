@@ -37,7 +37,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 
 export PATH="$REPO/.venv/bin:$PATH"
-export DS_ACCELERATOR=cpu MASTER_ADDR=127.0.0.1 GLOO_SOCKET_IFNAME=lo
+# One node, loopback only. The accelerator is DeepSpeed's own choice (CUDA where a GPU is, else the CPU);
+# launch/test.sh forces the CPU for the tests.
+export MASTER_ADDR=${MASTER_ADDR:-127.0.0.1} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 export TORCH_EXTENSIONS_DIR="$REPO/.torch_extensions"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -3,4 +3,6 @@
 # run them with `bash launch/test.sh -m slow`. Extra arguments go to pytest.
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
+# The tests run on the CPU, GPU or not: their jobs are sized for it and compare CPU-side results.
+export DS_ACCELERATOR=cpu
 exec .venv/bin/python -m pytest -ra --durations=25 "$@"

@@ -1,11 +1,16 @@
 """Fixtures shared by the test modules."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.training import make_small_job
+
+# The tests force the CPU explicitly, GPU or not (the library leaves the choice to DeepSpeed): the jobs they
+# start get it from tests/launching.py, the processes here from this.
+os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_cluster.dataset import encode_prompt
+from ds_cluster.data.dataset import encode_prompt
 
 
 def greedy_by_hand(model, tokenizer, record: dict, max_new_tokens: int) -> str:

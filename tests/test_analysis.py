@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds_cluster.analysis import forward_only_config
-from ds_cluster.analysis_dir import AnalysisDir
+from ds_cluster.ds_config import forward_only_config
+from ds_cluster.analysis.folder import AnalysisDir
 from ds_cluster.cli import build_parser, main
-from ds_cluster.clustering import category_counts, purity
+from ds_cluster.clustering.kmeans import category_counts, purity
 from tests.launching import check, run_deepspeed, run_mpirun
 
 ANALYZE = ["-m", "ds_cluster.cli", "analyze"]
@@ -69,9 +69,9 @@ def test_cli_help_explains_options_with_an_example(capsys):
 # ----------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from ds_cluster.dataset import write_jsonl
-    from ds_cluster.toy.models import save_tiny_model
-    from ds_cluster.toy.tasks import generate_mixture
+    from ds_cluster.data.dataset import write_jsonl
+    from bench.toy.models import save_tiny_model
+    from bench.toy.tasks import generate_mixture
 
     root = tmp_path_factory.mktemp("analyze_inputs")
     save_tiny_model(root / "model", seed=0)

@@ -23,8 +23,9 @@ from ds_cluster.batching import check_batch_arithmetic
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.ds_config import read_ds_config
 from ds_cluster.integrations.deepspeed import _initialize
-from ds_cluster.integrations.plan_setup import check_no_curriculum, read_plan_inputs
-from ds_cluster.plan import build_plan
+from ds_cluster.collectives import LOCAL
+from ds_cluster.integrations.setup import ClusterSetup, check_no_curriculum
+from ds_cluster.planning.plan import build_plan
 from tests.launching import BIN, REPO, job_env, run_deepspeed
 from tests.training import train_args
 
@@ -186,7 +187,8 @@ def _analysis_inputs(features: np.ndarray, tmp: Optional[Path] = None):
 
 def load_plan_inputs(config: ClusterSamplingConfig, num_samples: int, dataset: Any = None):
     """What the hook reads before the engine: the analysis, checked against the data (N items by default)."""
-    return read_plan_inputs(config, dataset if dataset is not None else [{"i": i} for i in range(num_samples)])
+    data = dataset if dataset is not None else [{"i": i} for i in range(num_samples)]
+    return ClusterSetup(config, data, everyone=LOCAL).read_inputs()
 
 
 def _write_truncated(folder: Path) -> None:
@@ -257,8 +259,8 @@ def test_missing_analysis_path_says_to_run_analyze(tmp_path):
 
 
 def _instruction_dataset(records: list[dict]):
-    from ds_cluster.dataset import InstructionDataset
-    from ds_cluster.toy.tokenizer import build_tokenizer
+    from ds_cluster.data.dataset import InstructionDataset
+    from bench.toy.tokenizer import build_tokenizer
 
     return InstructionDataset(records, build_tokenizer(), max_length=48)
 
@@ -268,7 +270,7 @@ def _records(prefix: str, count: int = NUM_SAMPLES) -> list[dict]:
 
 
 def test_analysis_of_another_dataset_with_the_same_length_is_refused(tmp_path):
-    from ds_cluster.dataset import dataset_fingerprint
+    from ds_cluster.data.dataset import dataset_fingerprint
 
     analysed, trained = _instruction_dataset(_records("copy")), _instruction_dataset(_records("reverse"))
     np.save(tmp_path / "features.npy", group_features())

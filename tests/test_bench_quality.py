@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds_cluster.toy.tasks import write_mixture
+from bench.toy.tasks import write_mixture
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,8 +40,8 @@ def _spec(settings) -> dict:
 
 def _real_slice(folder: Path, train_per_family: int = 40, heldout_per_family: int = 4) -> Path:
     """A few records per family of the shipped T0 slice, gzipped like the shipped files."""
-    from ds_cluster.dataset import read_jsonl
-    from ds_cluster.real import T0_DIR
+    from ds_cluster.data.dataset import read_jsonl
+    from bench.real import T0_DIR
 
     folder.mkdir(parents=True, exist_ok=True)
     for name, per_family in (("train", train_per_family), ("heldout", heldout_per_family)):
@@ -81,8 +81,8 @@ def test_a_run_that_misses_the_gate_says_so_and_stops(tmp_path):
 
 def test_base_model_flag_reaches_the_job_spec(tmp_path):
     """--base-model DIR is the checkpoint every arm loads; without it, stories260K, or the toy model with --synthetic."""
-    from ds_cluster.real import STORIES260K_DIR
-    from ds_cluster.toy.models import base_model_path
+    from bench.real import STORIES260K_DIR
+    from bench.toy.models import base_model_path
 
     write_mixture(tmp_path / "data", seed=5, total=240, heldout_per_family=3)
     for flags, expected in ((["--base-model", str(tmp_path / "other")], str(tmp_path / "other")),
@@ -113,8 +113,8 @@ def test_real_data_arms_job_spec(tmp_path):
     from dataclasses import replace
 
     from bench import quality
-    from ds_cluster.dataset import read_jsonl
-    from ds_cluster.real import STORIES260K_DIR, T0_DIR
+    from ds_cluster.data.dataset import read_jsonl
+    from bench.real import STORIES260K_DIR, T0_DIR
 
     data = _real_slice(tmp_path / "t0")
     settings = _settings(["--data", str(data), "--work-dir", str(tmp_path / "work"), "--equal-steps"])
@@ -250,7 +250,7 @@ def _kept(arm: dict, spec: dict, sizes: dict) -> int:
     """The count an arm keeps once the job has resolved its match (bench/quality_job.py resolve_arm), with
     `sizes` as every clustering's cluster sizes: a paper arm by its budget rule, any other by budget_samples."""
     from bench.quality_job import resolve_arm
-    from ds_cluster.selection import cluster_budgets
+    from ds_cluster.planning.budget import cluster_budgets
 
     block, _, kept = resolve_arm(arm, spec)
     if arm["method"] != "paper":
@@ -401,12 +401,12 @@ def test_runs_on_one_mixture_share_its_feature_extractions(tmp_path):
 def test_a_clustering_shared_by_several_candidates_keeps_features_for_the_one_that_reads_them(tmp_path):
     """--choose: K 8's clustering is shared by random, spread, kcenter and semdedup candidates; the first to
     claim it reads no features, yet kcenter and semdedup need features.npy in it."""
-    from ds_cluster.selection import FEATURE_SELECTIONS
+    from ds_cluster.planning.selection import SELECTIONS
 
     data = _real_slice(tmp_path / "t0")
     spec = _spec(_settings(["--data", str(data), "--work-dir", str(tmp_path / "w"), "--choose"]))
     needing = {arm["analysis"] for arm in spec["arms"]
-               if arm.get("cluster_sampling", {}).get("selection") in FEATURE_SELECTIONS}
+               if SELECTIONS.get_rule(arm.get("cluster_sampling", {}).get("selection", "random")).reads_features}
     assert needing, "the declared candidates include a selection that reads features"
     assert all(spec["analyses"][name].get("keep_features") for name in needing)
     others = {arm["analysis"] for arm in spec["arms"]} - needing

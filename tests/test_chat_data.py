@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from ds_cluster.dataset import (IGNORE_INDEX, InstructionDataset, dataset_fingerprint, encode_example, encode_prompt,
+from ds_cluster.data.dataset import (IGNORE_INDEX, InstructionDataset, dataset_fingerprint, encode_example, encode_prompt,
                                 load_instruction_dataset, read_records, write_jsonl)
 from tests.fixtures.tokenizers import load_tokenizer, tiny_model_folder
 from tests.launching import REPO, check, run_single
@@ -104,7 +104,7 @@ def test_sharegpt_conversations_give_the_same_items_as_messages(smollm2):
     from_messages = InstructionDataset([MULTI_TURN], smollm2, max_length=160)
     from_sharegpt = InstructionDataset([SHAREGPT], smollm2, max_length=160)
     assert all(torch.equal(from_messages[0][key], from_sharegpt[0][key]) for key in from_messages[0])
-    assert from_sharegpt.categories == from_sharegpt.families == ["cooking"]
+    assert from_sharegpt.categories == ["cooking"]
 
 
 def test_a_template_with_generation_markers_marks_the_same_tokens(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from ds_cluster.batching import BatchShape, batch_shape_from_config
 from ds_cluster.cli import main
 from ds_cluster.cli.common import BATCH_FLAGS
-from ds_cluster.plan import Plan
+from ds_cluster.planning.plan import Plan
 from tests.launching import REPO, check, job_env
 
 CONFIG = REPO / "ds_configs" / "zero2.json"
@@ -161,7 +161,7 @@ def test_train_runs_two_ranks_with_the_deepspeed_launcher(small_job: Path, tmp_p
     # The cosine schedule ends at the run's own last step (here --max-steps): the rate is 0 after it.
     assert [s["learning_rate"] for s in summaries] == [0.0, 0.0]
 
-    from ds_cluster.models import load_model_and_tokenizer
+    from ds_cluster.data.models import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer(str(out / "model"))
     digest = hashlib.sha256()

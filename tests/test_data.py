@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ds_cluster.dataset import (
+from ds_cluster.data.dataset import (
     IGNORE_INDEX,
     dataset_fingerprint,
     format_prompt,
@@ -16,9 +16,9 @@ from ds_cluster.dataset import (
     trim_padding_collate,
     write_jsonl,
 )
-from ds_cluster.toy import pretraining, tasks
-from ds_cluster.toy.evaluate import check_answer
-from ds_cluster.toy.tokenizer import build_tokenizer
+from bench.toy import pretraining, tasks
+from ds_cluster.evaluate import check_answer
+from bench.toy.tokenizer import build_tokenizer
 
 DEFAULT_DIR = tasks.DEFAULT_DATA
 
@@ -188,7 +188,7 @@ def test_format_prompt_omits_empty_input():
 def test_instruction_dataset_masks_the_prompt(tokenizer, mixture):
     records = mixture[1][:20]
     dataset = load_instruction_dataset(records, tokenizer, max_length=96)
-    assert len(dataset) == 20 and dataset.families == [r["family"] for r in records]
+    assert len(dataset) == 20 and dataset.categories == [r["family"] for r in records]
     for record, item in zip(records, dataset):
         assert set(item) == {"input_ids", "attention_mask", "labels"}
         assert all(t.dtype == torch.int64 and t.shape == (96,) for t in item.values())
@@ -206,8 +206,8 @@ def test_instruction_dataset_masks_the_prompt(tokenizer, mixture):
 
 def test_trimming_the_shared_padding_keeps_each_samples_loss(tokenizer, mixture):
     """The training script's collate cuts the columns no row attends to: fewer columns, same per-sample loss."""
-    from ds_cluster.loss import token_loss_sums
-    from ds_cluster.toy.models import tiny_model
+    from ds_cluster.loader.loss import token_loss_sums
+    from bench.toy.models import tiny_model
 
     dataset = load_instruction_dataset(mixture[0][:6], tokenizer, max_length=96)
     items = [dataset[i] for i in range(len(dataset))]
@@ -304,4 +304,4 @@ def test_categories_read_category_else_family(tokenizer):
                {"instruction": "a", "output": "b", "category": None, "family": "f3"},
                {"instruction": "a", "output": "b"}]
     dataset = load_instruction_dataset(records, tokenizer, max_length=32)
-    assert dataset.categories == dataset.families == ["c1", "f2", "f3", ""]
+    assert dataset.categories == ["c1", "f2", "f3", ""]

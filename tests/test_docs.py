@@ -13,9 +13,9 @@ import torch
 
 import ds_cluster
 from ds_cluster.config import ClusterSamplingConfig
-from ds_cluster.loss import weighted_lm_loss
-from ds_cluster.plan import build_plan
-from ds_cluster.sampler import ClusterDataLoader
+from ds_cluster.loader.loss import weighted_lm_loss
+from ds_cluster.planning.plan import build_plan
+from ds_cluster.loader.sampler import ClusterDataLoader
 from tests.launching import REPO
 
 DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
@@ -26,22 +26,26 @@ OTHER_PACKAGES = {"deepspeed", "torch", "transformers", "trl", "datasets", "skle
 
 
 def _backticked(path: Path) -> list[str]:
-    """Every `code` span of a doc; in changes.md's tables only the right column (the names as they are now)."""
+    """Every `code` span of a doc; of changes.md only the newest version's tables' right column (the names as
+    they are now: older sections are history)."""
     text = path.read_text(encoding="utf-8")
     if path.name == "changes.md":
+        newest = text.split("\n## ")[1]
         kept = []
-        for line in text.splitlines():
+        for line in newest.splitlines():
             cells = line.split("|")
-            kept.append("|".join(cells[2:]) if line.startswith("|") and len(cells) > 3 else line)
+            if line.startswith("|") and len(cells) > 3:
+                kept.append("|".join(cells[2:]))
         text = "\n".join(kept)
     return re.findall(r"`([^`\n]+)`", text)
 
 
 def _modules() -> dict[str, str]:
-    """Short and full names of every ds_cluster module: {"plan_setup": "ds_cluster.integrations.plan_setup", ...}."""
+    """Short and full names of every ds_cluster module: {"plan_setup": "ds_cluster.integrations.setup", ...}."""
     found = {"ds_cluster": "ds_cluster"}
-    # Shallowest first: `plan` is ds_cluster.plan, not ds_cluster.cli.plan.
-    infos = sorted(pkgutil.walk_packages(ds_cluster.__path__, prefix="ds_cluster."), key=lambda i: i.name.count("."))
+    # Shallowest first, the command line's modules last: `plan` is ds_cluster.planning.plan, not ds_cluster.cli.plan.
+    infos = sorted(pkgutil.walk_packages(ds_cluster.__path__, prefix="ds_cluster."),
+                   key=lambda i: (i.name.count("."), i.name.startswith("ds_cluster.cli.")))
     for info in infos:
         found[info.name] = info.name
         found.setdefault(info.name.rsplit(".", 1)[1], info.name)
@@ -180,3 +184,55 @@ def test_the_loss_is_the_formula_the_docs_give(reduction: str):
 def test_the_docs_name_the_default_reduction():
     default = ClusterSamplingConfig().loss_reduction
     assert f'"{default}" (the default)' in (REPO / "docs" / "trainer.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------ the README's figures
+FIGURE = re.compile(r"[+-]?\d+\.\d+(?: ± \d+\.\d+)?")
+
+
+def _gains_rows() -> list[tuple[str, str, list[str]]]:
+    """The README's table of what it gains: (row, the results file it cites, its figures)."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## What it gains"):]
+    rows = []
+    for line in section.splitlines():
+        if not line.startswith("| ") or line.startswith("| mixture"):
+            continue
+        cited = re.findall(r"`(bench/results/[\w./-]+\.md)`", line)
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows.append((cells[0], cited[0] if cited else "", [f for cell in cells[2:] for f in FIGURE.findall(cell)]))
+    return rows
+
+
+def test_the_readme_has_one_table_of_gains_with_full_data_at_the_same_steps():
+    rows = _gains_rows()
+    assert len(rows) >= 4 and {"T0", "FLAN"} <= {word for row, _, _ in rows for word in row.split()}
+    header = next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| mixture"))
+    assert "same steps" in header and "random" in header
+
+
+@pytest.mark.parametrize("row,cited,figures", _gains_rows(), ids=lambda value: str(value)[:40])
+def test_the_readmes_figures_are_those_of_the_results_file_they_cite(row: str, cited: str, figures: list[str]):
+    assert cited, f"README row {row!r} cites no results file"
+    text = (REPO / cited).read_text()
+    heldout = text[text.index("## heldout"):]  # the README's figures are held-out ones
+    for figure in figures:
+        assert re.search(re.escape(figure) + r"(?!\d)", heldout), f"{row}: {figure} is not in {cited}'s held-out part"
+
+
+def _allowed_column() -> dict[str, str]:
+    rows = {}
+    for line in (REPO / "docs" / "configuration.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] not in ("key", "---"):
+            rows[cells[0]] = cells[2]
+    return rows
+
+
+def test_the_docs_list_the_rules_each_registry_holds():
+    """The configuration table's allowed values of a rule key are its registry's names, in its order."""
+    from ds_cluster.config import RULE_REGISTRIES
+
+    allowed = _allowed_column()
+    for key, registry in RULE_REGISTRIES.items():
+        assert [name.strip() for name in allowed[key].split(",")] == list(registry.names), key

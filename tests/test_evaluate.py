@@ -1,4 +1,4 @@
-"""Held-out answer loss and greedy exact match per family (the toy world's evaluation), on a fresh tiny model."""
+"""Held-out answer loss and greedy exact match per group (ds_cluster.evaluate), on the toy world's fresh tiny model."""
 from __future__ import annotations
 
 import math
@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from ds_cluster.dataset import IGNORE_INDEX, encode_prompt, load_instruction_dataset
-from ds_cluster.toy import evaluate
-from ds_cluster.toy.models import tiny_model
-from ds_cluster.toy.tasks import FAMILIES, generate_mixture
+from bench.toy.models import tiny_model
+from bench.toy.tasks import FAMILIES, generate_mixture
+from ds_cluster import evaluate
+from ds_cluster.data.dataset import IGNORE_INDEX, encode_prompt, load_instruction_dataset
 from tests.reference import greedy_by_hand
 
 
@@ -29,14 +29,14 @@ def test_answer_loss_is_finite_for_every_family_and_leaves_out_the_end_token(mod
     model, tokenizer = model_and_tokenizer
     dataset = load_instruction_dataset(heldout, tokenizer, max_length=64)
     model.train()
-    losses = evaluate.answer_loss_by_family(model, dataset, batch_size=7)
+    losses = evaluate.answer_loss_by_group(model, dataset, batch_size=7)
     assert model.training  # the caller's mode is restored
     assert set(losses) == set(FAMILIES)
     # An untrained model is close to uniform over the vocabulary.
     assert all(math.isfinite(v) and abs(v - math.log(len(tokenizer))) < 1.5 for v in losses.values())
     # Batching does not change the numbers.
-    per_sample = evaluate.answer_loss(model, dataset, batch_size=len(dataset))
-    assert torch.allclose(per_sample, evaluate.answer_loss(model, dataset, batch_size=5), atol=1e-5)
+    per_sample = evaluate.answer_nll(model, dataset, batch_size=len(dataset))
+    assert torch.allclose(per_sample, evaluate.answer_nll(model, dataset, batch_size=5), atol=1e-5)
     # Without the end token: the mean over the answer tokens only, by hand for one sample.
     with torch.no_grad():
         logits = model(input_ids=dataset.input_ids[:1], attention_mask=dataset.attention_mask[:1]).logits[0, :-1]
@@ -44,7 +44,7 @@ def test_answer_loss_is_finite_for_every_family_and_leaves_out_the_end_token(mod
     positions = torch.nonzero(targets != IGNORE_INDEX).squeeze(1)[:-1]  # the last one is </s>
     by_hand = torch.nn.functional.cross_entropy(logits[positions], targets[positions])
     assert per_sample[0].item() == pytest.approx(by_hand.item(), rel=1e-5)
-    with_eos = evaluate.answer_loss(model, dataset, batch_size=8, include_eos=True)
+    with_eos = evaluate.answer_nll(model, dataset, batch_size=8, include_eos=True)
     assert not torch.allclose(with_eos, per_sample)
 
 
@@ -110,7 +110,7 @@ def test_exact_match_scores_answers_longer_than_16_tokens(model_and_tokenizer, h
     # The old fixed cut of 16 new tokens scored every one of these right answers wrong.
     cut = [tokenizer.decode(model.answer_of[tuple(encode_prompt(tokenizer, r))][:16]) for r in records]
     assert all(value == 0.0 for value in evaluate.score_answers(records, cut).values())
-    scores = evaluate.exact_match_by_family(model, tokenizer, records, batch_size=5)
+    scores = evaluate.exact_match_by_group(model, tokenizer, records, groups=FAMILIES, batch_size=5)
     assert scores and all(value == 1.0 for value in scores.values())
     # One budget per batch: the longest answer among the batch's records (sorted by prompt length) + the margin.
     order = sorted(range(len(records)), key=lambda i: len(encode_prompt(tokenizer, records[i])))
@@ -129,11 +129,11 @@ def test_exact_match_counts_correct_answers(heldout):
     assert scores == pytest.approx(expected)
 
 
-def test_summarize_reports_macro_and_worst_family():
-    summary = evaluate.summarize({"a": 1.0, "b": 0.5, "c": 0.0})
+def test_summarize_reports_macro_and_worst_group():
+    summary = evaluate.summarize({"a": 1.0, "b": 0.5, "c": 0.0}, higher_is_better=True)
     assert summary["macro"] == pytest.approx(0.5)
-    assert (summary["worst_family"], summary["worst"]) == ("c", 0.0)
-    losses = evaluate.summarize({"a": 0.1, "b": 2.0}, higher_is_better=False)
-    assert (losses["worst_family"], losses["worst"]) == ("b", 2.0)
+    assert (summary["worst_group"], summary["worst"]) == ("c", 0.0)
+    losses = evaluate.summarize({"a": 0.1, "b": 2.0})  # a loss by default: higher is worse
+    assert (losses["worst_group"], losses["worst"]) == ("b", 2.0)
     with pytest.raises(ValueError):
         evaluate.summarize({})

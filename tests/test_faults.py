@@ -17,9 +17,9 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from ds_cluster.analysis_dir import AnalysisDir
-from ds_cluster.dataset import read_jsonl, write_jsonl
-from ds_cluster.plan import Plan
+from ds_cluster.analysis.folder import AnalysisDir
+from ds_cluster.data.dataset import read_jsonl, write_jsonl
+from ds_cluster.planning.plan import Plan
 from tests.launching import REPO, check, run_deepspeed
 from tests.test_bad_inputs import assert_failed_on_every_rank, snapshot
 from tests.training import read_trace, train_args

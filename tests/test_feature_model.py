@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from ds_cluster.dataset import IGNORE_INDEX, InstructionDataset, read_jsonl
+from ds_cluster.data.dataset import IGNORE_INDEX, InstructionDataset, read_jsonl
 from ds_cluster.features.feature_model import feature_dataset
-from ds_cluster.models import load_model_and_tokenizer
-from ds_cluster.toy.models import base_model_path
+from ds_cluster.data.models import load_model_and_tokenizer
+from bench.toy.models import base_model_path
 from tests.launching import REPO, check, run_deepspeed, shm_buffers
 from tests.training import TRAIN, assert_run_follows_plan
 
-STORIES = REPO / "ds_cluster" / "real" / "stories260k"
+STORIES = REPO / "bench" / "real" / "stories260k"
 RECORDS = [{"instruction": "Reverse the letters.", "input": "abc", "output": "cba", "family": "reverse"},
            {"instruction": "Double each letter.", "input": "xy", "output": "xxyy", "family": "double"}]
 

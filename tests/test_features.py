@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ds_cluster.dataset import dataset_fingerprint
+from ds_cluster.data.dataset import dataset_fingerprint
 from ds_cluster.features.extract import model_fingerprint, run_extraction
 from ds_cluster.features.projection import factor_dim, gaussian_matrix, kronecker_projection
 from ds_cluster.features.store import FeatureStore

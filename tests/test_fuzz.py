@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds_cluster.config import ClusterSamplingConfig
-from ds_cluster.plan import Plan, build_plan
+from ds_cluster.planning.plan import Plan, build_plan
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

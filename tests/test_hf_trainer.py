@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ds_cluster import ClusterSamplingConfig, Plan, build_plan
-from ds_cluster.analysis_dir import AnalysisDir
+from ds_cluster.analysis.folder import AnalysisDir
 from ds_cluster.integrations.hf import SAMPLER_STATE_FILE
 from tests.launching import REPO, check, run_deepspeed, shm_buffers
 from tests.training import (TRAIN, assert_step_is_the_reference_gradient, assert_trainer_follows_plan,
@@ -75,7 +75,7 @@ def test_each_rank_trains_on_exactly_its_plan_batches(uninterrupted_run: Path, e
 def test_the_hook_and_cluster_trainer_train_on_the_same_sequence(uninterrupted_run: Path, small_job: Path,  # noqa: F811
                                                                  trainer_config: Path, tmp_path: Path):
     """The same 2-rank job through the DeepSpeed hook (python -m ds_cluster.train) and through ClusterTrainer:
-    one set-up (integrations/plan_setup.py), so the same samples on every rank, micro-batch by micro-batch."""
+    one set-up (integrations/setup.py), so the same samples on every rank, micro-batch by micro-batch."""
     check(run_deepspeed([*TRAIN, "--deepspeed", str(trainer_config), "--model", str(small_job / "model"),
                          "--data", str(small_job / "train.jsonl"), "--output-dir", str(tmp_path), "--max-length",
                          "64", "--trace", "--max-steps", str(MAX_STEPS), "--epochs", "3"], nproc=WORLD, timeout=300))
@@ -115,9 +115,9 @@ def test_one_process_loader_follows_the_plan_and_refuses_a_checkpoint_of_another
     """In-process, no launcher: the loader is the plan for world 1, and a foreign checkpoint is an error."""
     from transformers import TrainingArguments
 
-    from ds_cluster.dataset import load_instruction_dataset
+    from ds_cluster.data.dataset import load_instruction_dataset
     from ds_cluster.integrations.hf import ClusterTrainer
-    from ds_cluster.models import load_model_and_tokenizer
+    from ds_cluster.data.models import load_model_and_tokenizer
 
     block = json.loads(trainer_config.read_text())["data_efficiency"]["data_sampling"]["cluster_sampling"]
     block = {**block, "preset": None, "allocation": "stratified", "num_clusters": 3, "kmeans_n_init": 1}

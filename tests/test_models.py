@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_cluster.dataset import load_instruction_dataset
-from ds_cluster.models import load_model_and_tokenizer
-from ds_cluster.toy import models
-from ds_cluster.toy.tasks import generate_mixture
+from ds_cluster.data.dataset import load_instruction_dataset
+from ds_cluster.data.models import load_model_and_tokenizer
+from bench.toy import models
+from bench.toy.tasks import generate_mixture
 
 
 def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -43,8 +43,8 @@ def test_tiny_init_is_seeded_and_leaves_the_global_rng_alone():
 
 
 def test_the_shipped_base_model_copies_and_matches_the_recipe():
-    from ds_cluster.toy.evaluate import greedy_answers, score_answers
-    from ds_cluster.toy.pretraining import copy_probe_records
+    from ds_cluster.evaluate import greedy_answers, score_answers
+    from bench.toy.pretraining import copy_probe_records
 
     path = Path(models.base_model_path())
     manifest = json.loads((path / models.MANIFEST_NAME).read_text())
@@ -124,7 +124,7 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
 # switch is process-wide state that must not leak into other tests.
 _ZERO3_SCRIPT = """
 import gc, sys, torch, deepspeed
-from ds_cluster.models import load_model_and_tokenizer
+from ds_cluster.data.models import load_model_and_tokenizer
 path = sys.argv[1]
 plain, tokenizer = load_model_and_tokenizer(path)
 config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},

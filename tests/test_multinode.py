@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 import pytest
 
-from ds_cluster.dataset import read_jsonl, write_jsonl
+from ds_cluster.data.dataset import read_jsonl, write_jsonl
 from tests.launching import BIN, REPO, check, job_env
 from tests.multinode import TwoHosts, cannot_make_hosts, make_two_hosts
 from tests.training import assert_run_follows_plan, read_trace, train_args

@@ -91,8 +91,8 @@ def test_paper_preset_keeps_exactly_what_the_reference_keeps(sizes, world_size, 
 @pytest.mark.parametrize("sizes,world_size,ratio,binds", CASES[2:4], ids=["cap binds r1", "cap binds r0.5"])
 def test_the_same_through_an_analysis_folder(tmp_path, sizes, world_size, ratio, binds):
     """What the hook does: the analysis records labels, k-means centres and distances; the plan reads them."""
-    from ds_cluster.analysis_dir import AnalysisDir
-    from ds_cluster.clustering import cluster_features
+    from ds_cluster.analysis.folder import AnalysisDir
+    from ds_cluster.clustering.kmeans import cluster_features
 
     features = skewed_blobs(sizes, seed=len(sizes) + world_size)
     config = ClusterSamplingConfig(enabled=True, preset="paper", budget_ratio=ratio, seed=7)

@@ -12,9 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds_cluster import ClusterSamplingConfig, Plan, build_plan
-from ds_cluster.allocation import batch_quotas
-from ds_cluster.clustering import cluster_features
-from ds_cluster.selection import apportion, cluster_budgets, select_in_clusters, sample_weights
+from ds_cluster.planning.allocation import batch_quotas
+from ds_cluster.clustering.kmeans import cluster_features
+from ds_cluster.planning.budget import apportion, cluster_budgets
+from ds_cluster.planning.selection import select_in_clusters
+from ds_cluster.planning.weights import sample_weights
 
 
 def blobs(sizes, dim=4, seed=0, spread=1.0):
@@ -410,7 +412,7 @@ def _literal_capped_greedy(nearest, dist2, capacity, num_clusters):
 @settings(max_examples=80, deadline=None)
 @given(st.integers(2, 6), st.integers(1, 4), st.integers(0, 10_000), st.floats(1.0, 2.0))
 def test_capped_assignment_matches_the_literal_greedy(num_clusters, neighbours, seed, alpha):
-    from ds_cluster.clustering import capped_assignment, nearest_centroids
+    from ds_cluster.clustering.kmeans import capped_assignment, nearest_centroids
 
     rng = np.random.default_rng(seed)
     points = np.concatenate([rng.normal(0, 1, (30, 2)), rng.normal(4, 1, (5, 2))])

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ds_cluster.selection import _first_in_order, _stable_argsort, k_center_greedy, select_in_clusters
+from ds_cluster.planning.selection import _first_in_order, _stable_argsort, k_center_greedy, select_in_clusters
 
 STRATEGIES = ("random", "peripheral", "core", "mix", "norm", "spread", "kcenter")
 
@@ -96,7 +96,7 @@ def test_random_selection_at_scale_is_the_sort_based_definition():
 
 def test_random_selection_with_many_clusters_and_few_bins(monkeypatch):
     # Many clusters shrink the key bins (the histogram stays bounded); with one bin every row is a candidate.
-    import ds_cluster.selection as selection
+    import ds_cluster.planning.selection as selection
 
     rng = np.random.default_rng(2)
     labels = rng.integers(0, 300, 5000)

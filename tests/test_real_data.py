@@ -1,4 +1,4 @@
-"""The real material of ``ds_cluster.real``: the stories260K folder, the converter, and the two shipped slices.
+"""The real material of ``bench.real``: the stories260K folder, the converter, and the two shipped slices.
 
 Fast and offline: the shipped files are checked for the properties their READMEs state, the
 converter against a plain numpy llama2.c forward on a tiny random checkpoint written here, and the
@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from ds_cluster.real import FLAN_COT_DIR, STORIES260K_DIR, T0_DIR
-from ds_cluster.real import convert_llama2c, flan_cot, t0
-from ds_cluster.real.example_groups import normalized_words, word_ngrams
-from ds_cluster.real.slice_output import read_jsonl_gz
-from ds_cluster.real.slicing import HELDOUT_FILE, TRAIN_FILE
+from bench.real import FLAN_COT_DIR, STORIES260K_DIR, T0_DIR
+from bench.real import convert_llama2c, flan_cot, t0
+from bench.real.example_groups import normalized_words, word_ngrams
+from bench.real.slice_output import read_jsonl_gz
+from bench.real.slicing import HELDOUT_FILE, TRAIN_FILE
 
 FIELDS = ["instruction", "input", "output", "family", "dataset", "template", "example_id"]
 T0_COMMIT = "0b26ccaa415992100fa32df62d41b994cf928e23"
@@ -197,7 +197,7 @@ def test_slice_token_lengths(slices, tokenizer, name):
 def test_slice_folder_size_and_readme(folder, commit):
     assert sum(p.stat().st_size for p in folder.iterdir()) < 5 * 2**20
     readme = (folder / "README.md").read_text(encoding="utf-8")
-    assert commit in readme and "Apache-2.0" in readme and "python -m ds_cluster.real." in readme
+    assert commit in readme and "Apache-2.0" in readme and "python -m bench.real." in readme
 
 
 # --- stories260K ----------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""ds_cluster.real.evaluate against the slow way of computing the same numbers, with stories260K on T0 records."""
+"""ds_cluster.evaluate against the slow way of computing the same numbers, with stories260K on T0 records."""
 from __future__ import annotations
 
 import json
@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from ds_cluster.dataset import (IGNORE_INDEX, InstructionDataset, encode_example, read_records,
+from ds_cluster.data.dataset import (IGNORE_INDEX, InstructionDataset, encode_example, read_records,
                                 write_jsonl)
-from ds_cluster.models import load_model_and_tokenizer
-from ds_cluster.real import STORIES260K_DIR, T0_DIR
-from ds_cluster.real import evaluate
+from ds_cluster.data.models import load_model_and_tokenizer
+from bench.real import STORIES260K_DIR, T0_DIR
+from ds_cluster import evaluate
 from tests.reference import greedy_by_hand
 
 MAX_LENGTH = 272  # the longest T0 record, prompt and answer, is 265 stories260K tokens
@@ -99,7 +99,8 @@ def test_exact_match_scores_the_greedy_answers_of_the_named_groups_only(model_an
     model, tokenizer = model_and_tokenizer
     asked: list[list[str]] = []
 
-    def answers(_model, _tokenizer, records, batch_size=32):  # the reference itself, except for closed-book QA
+    def answers(_model, _tokenizer, records, batch_size=32, max_new_tokens=None, synced_gpus=False):
+        # The reference answer itself, except for closed-book QA.
         asked.append([r["family"] for r in records])
         return [f"  {r['output']} " if r["family"] != "closed_book_qa" else "no" for r in records]
 

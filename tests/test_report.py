@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from ds_cluster import ClusterSamplingConfig, Plan, build_plan
-from ds_cluster.report import (cluster_counts_per_rank_step, cluster_category_counts, pca_projection,
-                               schedule_coverage, write_report)
+from ds_cluster.report.page import write_report
+from ds_cluster.report.summary import (cluster_category_counts, cluster_counts_per_rank_step, pca_projection,
+                                       schedule_coverage)
 
 FAMILIES = ("add", "sort", "reverse")
 

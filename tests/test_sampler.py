@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ds_cluster import ClusterSamplingConfig, build_plan
-from ds_cluster.loss import per_sample_lm_loss, weighted_lm_loss
-from ds_cluster.sampler import ClusterDataLoader
+from ds_cluster.loader.loss import per_sample_lm_loss, weighted_lm_loss
+from ds_cluster.loader.sampler import ClusterDataLoader
 
 
 def make_plan(world: int = 2, micro: int = 2, gas: int = 2):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds_cluster.schedules import warmup_cosine
+from ds_cluster.loader.lr_schedules import warmup_cosine
 
 
 def test_warmup_then_cosine_to_zero_at_the_last_step():

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ds_cluster.dataset import read_records, write_jsonl
-from ds_cluster.real import T0_DIR
-from ds_cluster.real import smollm2
+from ds_cluster.data.dataset import read_records, write_jsonl
+from bench.real import T0_DIR
+from bench.real import smollm2
 from tests.launching import REPO, check, run_deepspeed
 from tests.training import TRAIN, read_trace
 

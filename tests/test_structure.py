@@ -1,9 +1,11 @@
-"""The shape of the library: the core never imports the toy world, files and functions stay readable."""
+"""The shape of the library: the wheel is the library, folders are floors in pipeline order, imports point down,
+no import circle (bench included), files and functions stay readable."""
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -15,25 +17,148 @@ MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 # A longer function says why in its docstring with this phrase.
 LONG_REASON = "Long because"
-CORE_MODULES = ["ds_cluster", "ds_cluster.plan", "ds_cluster.features", "ds_cluster.features.extract",
-                "ds_cluster.features.store", "ds_cluster.clustering", "ds_cluster.selection", "ds_cluster.allocation",
-                "ds_cluster.sampler", "ds_cluster.loss", "ds_cluster.distributed", "ds_cluster.analysis",
-                "ds_cluster.analysis_dir", "ds_cluster.integrations.deepspeed", "ds_cluster.integrations.hf",
-                "ds_cluster.cli", "ds_cluster.train", "ds_cluster.report", "ds_cluster.dataset", "ds_cluster.models"]
-
-
-def test_importing_the_core_loads_no_toy_module():
-    script = ("import importlib, sys\n"
-              f"for name in {CORE_MODULES!r}:\n"
-              "    importlib.import_module(name)\n"
-              "print(sorted(m for m in sys.modules if m.startswith('ds_cluster.toy')))\n")
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "[]"
+# The floors, lowest first (docs/design.md): a module imports only its own floor and the floors below it.
+FLOORS = [
+    ("ds_cluster.registry", "ds_cluster.fileio", "ds_cluster.collectives", "ds_cluster.ds_config",
+     "ds_cluster.batching", "ds_cluster.distributed"),
+    ("ds_cluster.data",),
+    ("ds_cluster.features",),
+    ("ds_cluster.clustering",),
+    ("ds_cluster.planning",),
+    ("ds_cluster.config",),
+    ("ds_cluster.analysis",),
+    ("ds_cluster.loader",),
+    ("ds_cluster.report",),
+    ("ds_cluster.integrations",),
+    ("ds_cluster.cli", "ds_cluster.train", "ds_cluster.evaluate", "ds_cluster"),
+]
+MAX_DATA_FILE_BYTES = 100_000
 
 
 def _package_files() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _floor(module: str) -> int:
+    for level, prefixes in enumerate(FLOORS):
+        if any(module == prefix or (prefix != "ds_cluster" and module.startswith(prefix + ".")) for prefix in prefixes):
+            return level
+    raise AssertionError(f"{module} is on no floor: add it to FLOORS and docs/design.md")
+
+
+def _runtime_imports(path: Path, package: str) -> set[str]:
+    """Modules of `package` imported by `path` when it runs (anywhere in it; `if TYPE_CHECKING:` blocks left out)."""
+    tree = ast.parse(path.read_text())
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            skipped.update(id(child) for child in ast.walk(node))
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == package)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == package:
+            found.add(node.module)
+            # `from ds_cluster.x import y` where y is a module of its own.
+            found.update(f"{node.module}.{alias.name}" for alias in node.names
+                         if (REPO / Path(*node.module.split("."), f"{alias.name}.py")).exists()
+                         or (REPO / Path(*node.module.split("."), alias.name)).is_dir())
+    return found
+
+
+def _graph(package: str) -> dict[str, set[str]]:
+    files = sorted((REPO / package).rglob("*.py"))
+    modules = {_module_name(path): path for path in files}
+    return {name: {imported for imported in _runtime_imports(path, package) if imported in modules and imported != name}
+            for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of `graph` (module -> modules it imports), or []."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return []
+
+
+def test_every_import_in_the_package_points_down_the_floors():
+    upward = []
+    for path in _package_files():
+        name = _module_name(path)
+        for imported in _runtime_imports(path, "ds_cluster"):
+            if imported != "ds_cluster" and _floor(imported) > _floor(name):
+                upward.append(f"{name} (floor {_floor(name)}) imports {imported} (floor {_floor(imported)})")
+    assert upward == []
+
+
+@pytest.mark.parametrize("package", ["ds_cluster", "bench", "tests"])
+def test_no_import_circle(package):
+    assert _cycle(_graph(package)) == []
+
+
+def test_the_floors_are_the_folders_docs_design_names():
+    design = (REPO / "docs" / "design.md").read_text()
+    for folder in sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()):
+        assert f"{folder}/" in design, f"docs/design.md does not describe ds_cluster/{folder}/"
+    for path in _package_files():
+        _floor(_module_name(path))  # every module is on a floor
+
+
+def test_the_library_imports_no_benchmark_test_trl_or_plotting_module():
+    modules = [_module_name(path) for path in _package_files()
+               if _module_name(path) not in ("ds_cluster.integrations.trl", "ds_cluster.cli.__main__")]
+    script = ("import importlib, sys\n"
+              f"for name in {modules!r}:\n"
+              "    importlib.import_module(name)\n"
+              "import ds_cluster\n"
+              "ds_cluster.ClusterTrainer, ds_cluster.install, ds_cluster.build_plan\n"
+              "print(sorted({m.split('.')[0] for m in sys.modules} & {'bench', 'tests', 'trl', 'matplotlib'}))\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO / "docs", capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_wheel_holds_the_library_only(tmp_path):
+    """A wheel built from the checkout: only ds_cluster's modules, no data file over 100 kB, nothing of bench/."""
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                             "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    wheel = next(tmp_path.glob("ds_cluster-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        entries = [(info.filename, info.file_size) for info in archive.infolist()]
+    package_files = [name for name, _ in entries if not name.split("/")[0].endswith(".dist-info")]
+    assert package_files and all(name.startswith("ds_cluster/") for name in package_files), package_files
+    assert not [name for name in package_files if not name.endswith(".py")], "data files in the wheel"
+    assert [name for name, size in entries if size > MAX_DATA_FILE_BYTES and not name.endswith(".py")] == []
+    assert not any("/bench/" in name or "/toy/" in name or "/real/" in name for name in package_files)
 
 
 @pytest.mark.parametrize("path", _package_files(), ids=lambda p: str(p.relative_to(REPO)))
@@ -60,7 +185,7 @@ def test_no_docstring_cites_a_file_outside_the_repository():
 
 # The two ends docs/design.md names: only these files may touch DeepSpeed or torch.distributed.
 ENDS = {"ds_cluster/integrations/deepspeed.py", "ds_cluster/integrations/hf.py", "ds_cluster/integrations/trl.py",
-        "ds_cluster/integrations/plan_setup.py", "ds_cluster/distributed.py", "ds_cluster/features/extract.py",
+        "ds_cluster/integrations/setup.py", "ds_cluster/distributed.py", "ds_cluster/features/extract.py",
         "ds_cluster/features/model_info.py", "ds_cluster/features/feature_model.py", "ds_cluster/train.py",
         "ds_cluster/cli/analyze.py", "ds_cluster/cli/train.py"}
 
@@ -81,8 +206,7 @@ def _touches_the_ends(path: Path) -> bool:
 
 
 def test_only_the_two_ends_touch_deepspeed_and_torch_distributed():
-    touching = {str(path.relative_to(REPO)) for path in _package_files()
-                if not str(path.relative_to(REPO)).startswith("ds_cluster/toy/") and _touches_the_ends(path)}
+    touching = {str(path.relative_to(REPO)) for path in _package_files() if _touches_the_ends(path)}
     assert touching <= ENDS, sorted(touching - ENDS)
     design = (REPO / "docs" / "design.md").read_text()
     for path in ENDS:
@@ -90,8 +214,30 @@ def test_only_the_two_ends_touch_deepspeed_and_torch_distributed():
 
 
 def test_the_stages_take_their_rank_instead_of_reading_it():
-    # Rank and world size come in as a Collectives; the stages never ask the process group.
-    for name in ("analysis.py", "features/extract.py", "clustering_sharded.py", "plan.py", "selection.py",
-                 "allocation.py", "clustering.py"):
+    # Rank and world size come in as a Collectives; the stages and the set-up never ask the process group.
+    for name in ("analysis/compute.py", "features/extract.py", "clustering/sharded.py", "clustering/kmeans.py",
+                 "planning/plan.py", "planning/selection.py", "planning/allocation.py", "integrations/setup.py"):
         source = (PACKAGE / name).read_text()
         assert "get_rank(" not in source and "get_world_size(" not in source, name
+
+
+def test_no_rule_is_compared_by_its_name_outside_its_registry():
+    """Rules are objects: the stages ask them, never compare a config value with a rule's name."""
+    from ds_cluster.config import RULE_REGISTRIES
+
+    owners = {"features/kinds.py", "clustering/kmeans.py", "planning/budget.py", "planning/selection.py",
+              "planning/weights.py", "planning/allocation.py", "config.py"}
+    names = {name for registry in RULE_REGISTRIES.values() for name in registry}
+    compared = []
+    for path in _package_files():
+        if str(path.relative_to(PACKAGE)) in owners:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                constants = [part for part in [node.left, *node.comparators]
+                             if isinstance(part, ast.Constant) and part.value in names]
+                containers = [part for part in node.comparators if isinstance(part, (ast.Tuple, ast.List, ast.Set))
+                              and any(isinstance(e, ast.Constant) and e.value in names for e in part.elts)]
+                if constants or containers:
+                    compared.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert compared == []

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_cluster.dataset import IGNORE_INDEX, encode_example, encode_prompt, format_prompt, load_instruction_dataset
-from ds_cluster.special_tokens import bos_prefix, ensure_pad_token
+from ds_cluster.data.dataset import IGNORE_INDEX, encode_example, encode_prompt, format_prompt, load_instruction_dataset
+from ds_cluster.data.special_tokens import bos_prefix, ensure_pad_token
 from tests.fixtures.tokenizers import FIXTURES, load_tokenizer, tiny_model_folder
 
 RECORD = {"instruction": "Tell a short story.", "input": "a cat", "output": "Once upon a time, a cat sat.",
@@ -29,7 +29,7 @@ def gpt2(tmp_path):
 
 
 def _pad_log_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "ds_cluster.special_tokens"]
+    return [r.getMessage() for r in caplog.records if r.name == "ds_cluster.data.special_tokens"]
 
 
 def test_fixture_tokenizers_are_what_the_readme_says(stories, gpt2, tmp_path):
@@ -53,7 +53,7 @@ def test_fixture_tokenizers_are_what_the_readme_says(stories, gpt2, tmp_path):
 def test_pad_falls_back_to_eos_with_one_log_line_on_rank_0(name, expected, tmp_path, caplog, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     tokenizer = load_tokenizer(name, tmp_path)
-    with caplog.at_level(logging.INFO, logger="ds_cluster.special_tokens"):
+    with caplog.at_level(logging.INFO, logger="ds_cluster.data.special_tokens"):
         assert ensure_pad_token(tokenizer) == expected
         assert ensure_pad_token(tokenizer) == expected  # already set: nothing more to say
         load_instruction_dataset([RECORD], tokenizer, max_length=64)
@@ -63,7 +63,7 @@ def test_pad_falls_back_to_eos_with_one_log_line_on_rank_0(name, expected, tmp_p
 
 
 def test_the_pad_line_is_logged_on_rank_0_only(tmp_path, caplog, monkeypatch):
-    with caplog.at_level(logging.INFO, logger="ds_cluster.special_tokens"):
+    with caplog.at_level(logging.INFO, logger="ds_cluster.data.special_tokens"):
         monkeypatch.setenv("RANK", "1")
         assert ensure_pad_token(load_tokenizer("gpt2", tmp_path / "a")) == "<|endoftext|>"
         assert ensure_pad_token(load_tokenizer("gpt2", tmp_path / "b"), rank=1) == "<|endoftext|>"
@@ -81,7 +81,7 @@ def test_pad_falls_back_to_unk_then_to_nothing(stories):
 
 def test_a_tokenizer_with_pad_is_left_alone(tmp_path, caplog):
     smollm2 = load_tokenizer("smollm2", tmp_path)
-    with caplog.at_level(logging.INFO, logger="ds_cluster.special_tokens"):
+    with caplog.at_level(logging.INFO, logger="ds_cluster.data.special_tokens"):
         assert ensure_pad_token(smollm2) == "<|im_end|>"
     assert _pad_log_lines(caplog) == []
 
@@ -104,7 +104,7 @@ def test_mask_and_labels_come_from_lengths_when_pad_is_eos(name, tmp_path):
         response = tokenizer(record["output"], add_special_tokens=False)["input_ids"] + [eos]
         assert labelled == list(range(length - len(response), length))
         assert item["labels"][labelled].tolist() == response
-    assert dataset.categories == dataset.families == ["story", "story"]
+    assert dataset.categories == ["story", "story"]
 
 
 def test_no_bos_is_prepended_for_a_tokenizer_without_one(stories):
@@ -129,13 +129,13 @@ def test_an_alpaca_record_needs_an_eos_token(stories):
 def test_load_model_and_tokenizer_gives_a_pad_token_and_padding_never_counts(tmp_path, caplog, monkeypatch):
     """The shared loader of train, the CLI and the benchmarks: a pad-less checkpoint loads with pad = eos; a
     batch's per-sample losses and labelled-token counts are those of each sample alone, unpadded."""
-    from ds_cluster.dataset import trim_padding_collate
-    from ds_cluster.loss import token_loss_sums
-    from ds_cluster.models import load_model_and_tokenizer
+    from ds_cluster.data.dataset import trim_padding_collate
+    from ds_cluster.loader.loss import token_loss_sums
+    from ds_cluster.data.models import load_model_and_tokenizer
 
     monkeypatch.delenv("RANK", raising=False)
     folder = tiny_model_folder("stories260k", tmp_path)
-    with caplog.at_level(logging.INFO, logger="ds_cluster.special_tokens"):
+    with caplog.at_level(logging.INFO, logger="ds_cluster.data.special_tokens"):
         model, tokenizer = load_model_and_tokenizer(folder)
     assert tokenizer.pad_token == "</s>" and model.generation_config.pad_token_id == tokenizer.eos_token_id
     assert len(_pad_log_lines(caplog)) == 1
@@ -158,7 +158,7 @@ def test_load_model_and_tokenizer_gives_a_pad_token_and_padding_never_counts(tmp
 def test_the_pad_fallback_is_saved_with_the_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    from ds_cluster.models import load_model_and_tokenizer
+    from ds_cluster.data.models import load_model_and_tokenizer
 
     _, tokenizer = load_model_and_tokenizer(tiny_model_folder("gpt2", tmp_path), rank=1)
     tokenizer.save_pretrained(tmp_path / "saved")

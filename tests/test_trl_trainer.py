@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ds_cluster import ClusterSamplingConfig, Plan, build_plan
-from ds_cluster.analysis_dir import AnalysisDir
+from ds_cluster.analysis.folder import AnalysisDir
 from ds_cluster.integrations.hf import SAMPLER_STATE_FILE
 from tests.launching import REPO, check, run_deepspeed, shm_buffers
 from tests.training import assert_trainer_follows_plan, read_trace
@@ -171,9 +171,9 @@ def test_the_weighted_loss_reads_sfttrainers_labels(small_job: Path, tmp_path: P
     padded view holds the same labels as the collated batch."""
     import torch
 
-    from ds_cluster.dataset import IGNORE_INDEX, format_prompt, read_jsonl
+    from ds_cluster.data.dataset import IGNORE_INDEX, format_prompt, read_jsonl
     from ds_cluster.integrations.trl import ClusterSFTTrainer
-    from ds_cluster.models import load_model_and_tokenizer
+    from ds_cluster.data.models import load_model_and_tokenizer
 
     block = {"enabled": True, "preset": None, "allocation": "stratified", "num_clusters": 3, "kmeans_n_init": 1,
              "budget_ratio": 0.2, "analysis_path": str(small_job / "analysis")}

@@ -8,9 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_cluster import ClusterSamplingConfig, build_plan, diversity
-from ds_cluster.diversity import semantic_dedup
-from ds_cluster.selection import sample_weights, select_in_clusters
+from ds_cluster import ClusterSamplingConfig, build_plan
+from ds_cluster.planning import diversity
+from ds_cluster.planning.diversity import semantic_dedup
+from ds_cluster.planning.selection import select_in_clusters
+from ds_cluster.planning.weights import sample_weights
 from tests.test_plan import blobs, config
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 
 from ds_cluster import Plan
-from ds_cluster.dataset import read_jsonl, write_jsonl
-from ds_cluster.toy.models import base_model_path
-from ds_cluster.toy.tasks import DEFAULT_DATA
+from ds_cluster.data.dataset import read_jsonl, write_jsonl
+from bench.toy.models import base_model_path
+from bench.toy.tasks import DEFAULT_DATA
 from tests.launching import REPO
 
 # What python runs (`python -m ds_cluster.train`); tests/launching.py turns it into the launchers' forms.
@@ -101,7 +101,7 @@ def assert_step_is_the_reference_gradient(root: Path, reduction: str) -> None:
     import torch
 
     from ds_cluster import ClusterSamplingConfig, build_plan
-    from ds_cluster.loss import token_loss_sums
+    from ds_cluster.loader.loss import token_loss_sums
     from tests.workers.feature_fixtures import tiny_llama, token_dataset
 
     delta = np.load(root / "delta.npz")

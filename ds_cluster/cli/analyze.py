@@ -6,16 +6,17 @@ import time
 from typing import Any
 
 from ds_cluster.cli.common import FORMATTER, add_launcher_options, input_error, logger
+from ds_cluster.features.kinds import FEATURE_KINDS
 
 EXAMPLE = """\
 examples:
   # 2 ranks, ZeRO-3, a local checkpoint on a JSONL file of Alpaca records:
   deepspeed --num_gpus 2 --module ds_cluster.cli analyze --deepspeed ds_configs/zero3.json \\
-      --model ds_cluster/toy/base_model --data data/train.jsonl --out runs/analysis
+      --model MODEL_DIR --data data/train.jsonl --out runs/analysis
 
   # the same under Open MPI:
   mpirun -np 2 python -m ds_cluster.cli analyze --deepspeed ds_configs/zero3.json \\
-      --model ds_cluster/toy/base_model --data data/train.jsonl --out runs/analysis --kind lm_head --dim 1024
+      --model MODEL_DIR --data data/train.jsonl --out runs/analysis --kind lm_head --dim 1024
 
 A rerun reuses the finished feature shards in OUT/.feature_store (or --store);
 a rerun with other settings stops with an error naming them unless --recompute.
@@ -41,12 +42,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "(instruction, input, output[, category]), chat (messages or conversations) or "
                              "prompt/completion; docs/data.md")
     parser.add_argument("--out", required=True, metavar="DIR", help="analysis directory to write (replaced atomically)")
-    parser.add_argument("--kind", choices=("proxy", "lm_head"), default=None,
-                        help="feature: 'proxy' = mean (p_t - 1) h_t (the paper's, d = hidden size), 'lm_head' = "
-                             "the exact output-layer gradient randomly projected to --dim (default: the config's "
-                             "feature_kind)")
+    parser.add_argument("--kind", choices=FEATURE_KINDS.names, default=None,
+                        help="feature: " + "; ".join(f"'{kind.name}' = {kind.summary}" for kind in FEATURE_KINDS.values())
+                             + " (default: the config's feature_kind)")
     parser.add_argument("--dim", type=int, default=None,
-                        help="projected dimension for --kind lm_head (default: config feature_dim, else 1024)")
+                        help="dimension of a projected kind (lm_head; default: config feature_dim, else 1024)")
     parser.add_argument("--feature-model", default=None, metavar="PATH",
                         help="a checkpoint folder used only for the features, with its own tokenizer (default: the "
                              "config's feature_model, else --model itself); --model then only gives the tokenizer "
@@ -68,9 +68,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from ds_cluster.analysis import analyze
+    from ds_cluster.analysis.compute import analyze
     from ds_cluster.config import ClusterSamplingConfig
-    from ds_cluster.dataset import DEFAULT_MAX_LENGTH
+    from ds_cluster.data.dataset import DEFAULT_MAX_LENGTH
     from ds_cluster.distributed import collectives, get_rank, init_distributed, shutdown
     from ds_cluster.ds_config import read_ds_config
     from ds_cluster.features.store import DEFAULT_SHARD_SIZE
@@ -113,9 +113,9 @@ def _engine_and_data(args: argparse.Namespace, ds_config: dict, settings: Any, m
     separate feature model re-encodes it with its own tokenizer."""
     import deepspeed
 
-    from ds_cluster.analysis import forward_only_config
-    from ds_cluster.dataset import load_instruction_dataset
-    from ds_cluster.models import load_model_and_tokenizer
+    from ds_cluster.ds_config import forward_only_config
+    from ds_cluster.data.dataset import load_instruction_dataset
+    from ds_cluster.data.models import load_model_and_tokenizer
 
     if not settings.feature_model:
         engine_config = forward_only_config(ds_config)

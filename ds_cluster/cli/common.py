@@ -6,8 +6,8 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ds_cluster.analysis_dir import PlanInputs
-    from ds_cluster.plan import Plan
+    from ds_cluster.analysis.folder import PlanInputs
+    from ds_cluster.planning.plan import Plan
 
 logger = logging.getLogger("ds_cluster.cli")
 
@@ -47,11 +47,11 @@ def add_plan_inputs(parser: argparse.ArgumentParser) -> None:
 
 def build_plan_from_args(args: argparse.Namespace) -> tuple["Plan", "PlanInputs"]:
     """The plan the hook would build for this analysis, config and batch shape (pure: no process group)."""
-    from ds_cluster.analysis_dir import AnalysisDir
+    from ds_cluster.analysis.folder import AnalysisDir
     from ds_cluster.batching import batch_shape_from_config
     from ds_cluster.config import ClusterSamplingConfig
     from ds_cluster.ds_config import read_ds_config
-    from ds_cluster.plan import build_plan
+    from ds_cluster.planning.plan import build_plan
 
     config_dict, source = read_ds_config(args.deepspeed)
     settings = ClusterSamplingConfig.from_ds_config(config_dict)

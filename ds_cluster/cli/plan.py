@@ -39,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from ds_cluster.report import format_coverage, plan_table, schedule_coverage
+    from ds_cluster.report.summary import format_coverage, plan_table, schedule_coverage
 
     try:
         plan, _ = build_plan_from_args(args)

@@ -39,8 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def read_categories(analysis: Path, data: Optional[str], num_samples: int) -> Optional[list[str]]:
     """The category of every analysed sample (its `category`, else `family` field), or None when there is none."""
-    from ds_cluster.analysis_dir import AnalysisDir
-    from ds_cluster.dataset import read_records
+    from ds_cluster.analysis.folder import AnalysisDir
+    from ds_cluster.data.dataset import read_records
 
     if data is None:
         manifest = AnalysisDir(analysis).manifest()
@@ -58,7 +58,7 @@ def read_categories(analysis: Path, data: Optional[str], num_samples: int) -> Op
 
 
 def run(args: argparse.Namespace) -> int:
-    from ds_cluster.report import write_report
+    from ds_cluster.report.page import write_report
 
     analysis = Path(args.analysis)
     try:

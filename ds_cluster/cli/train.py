@@ -13,7 +13,7 @@ EXAMPLE = """\
 examples:
   # 2 ranks on this node with the deepspeed launcher:
   ds-cluster train --deepspeed ds_configs/zero3.json --nproc 2 -- \\
-      --model ds_cluster/toy/base_model --analysis runs/demo/analysis --output-dir runs/train --epochs 1
+      --model MODEL_DIR --data data/train.jsonl --analysis runs/analysis --output-dir runs/train --epochs 1
 
   # the same under mpirun, printed only:
   ds-cluster train --deepspeed ds_configs/zero3.json --launcher mpirun --nproc 2 --dry-run -- --model MODEL
@@ -78,11 +78,7 @@ def build_train_command(args: argparse.Namespace) -> tuple[list[str], dict[str, 
         env.update(MASTER_ADDR=args.master_addr or "127.0.0.1", GLOO_SOCKET_IFNAME="lo")
     elif args.master_addr:
         env["MASTER_ADDR"] = args.master_addr
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
-
-        if not torch.cuda.is_available():
-            env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed would otherwise look for a GPU
+    # The accelerator is DeepSpeed's own choice (a GPU where there is one, else the CPU), or DS_ACCELERATOR.
     # The script as python runs it: a file, or the module.
     python_target = [args.script] if args.script else ["-m", TRAIN_MODULE]
     if args.launcher == "deepspeed":

@@ -23,9 +23,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ds_cluster.dataset import dataset_fingerprint
+from ds_cluster.data.dataset import IGNORE_INDEX, dataset_fingerprint
 from ds_cluster.collectives import LOCAL, Collectives
-from ds_cluster.features.kinds import DEFAULT_CHUNK_SIZE, FeatureKind, batch_features, feature_kind, normalize_rows
+from ds_cluster.features.kinds import FeatureKind, feature_kind
 from ds_cluster.features.model_info import find_output_layer, model_fingerprint, output_layer_shape, unwrap_model
 from ds_cluster.features.projection import KroneckerProjection
 from ds_cluster.features.store import DEFAULT_SHARD_SIZE, FeatureStore, StoreManifest
@@ -54,6 +54,47 @@ class ExtractionResult:
 
 
 # --------------------------------------------------------------------------- one batch
+DEFAULT_CHUNK_SIZE = 256
+# logits_at(sample indices, positions) -> (n, V) logits at those positions.
+LogitsAt = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def batch_features(hidden: torch.Tensor, labels: torch.Tensor, logits_at: LogitsAt, kind: FeatureKind,
+                   projection: Optional[KroneckerProjection] = None,
+                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Un-normalised features (B, d) float32 and the empty mask (B,) of one batch.
+
+    hidden (B, T, H): the output layer's input; labels (B, T), unshifted, -100
+    ignored; `logits_at(b, t)` the logits of sample b at position t.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if isinstance(kind, str):
+        kind = feature_kind(kind)
+    targets = labels[:, 1:].to(hidden.device)
+    response = targets != IGNORE_INDEX  # (B, T-1)
+    counts = response.sum(dim=1)
+    samples, positions = response.nonzero(as_tuple=True)
+    # Each sample's feature is a mean over its own response positions.
+    weights = 1.0 / counts[samples].float()
+    gold = targets[samples, positions]
+    dim = projection.dim if projection is not None else hidden.shape[-1]
+    rows = torch.zeros(hidden.shape[0], dim, dtype=torch.float32, device=hidden.device)
+    for start in range(0, samples.numel(), chunk_size):
+        part = slice(start, start + chunk_size)
+        b, t = samples[part], positions[part]
+        log_probs = torch.log_softmax(logits_at(b, t).float(), dim=-1)  # (n, V)
+        rows.index_add_(0, b, kind.contribution(log_probs, gold[part], hidden[b, t].float(), weights[part],
+                                                projection))
+    return rows, counts == 0
+
+
+def normalize_rows(rows: torch.Tensor) -> torch.Tensor:
+    """L2-normalise each row; zero rows stay zero (never NaN)."""
+    norms = rows.norm(dim=1, keepdim=True)
+    return torch.where(norms > 0, rows / norms.clamp_min(torch.finfo(rows.dtype).tiny), torch.zeros_like(rows))
+
+
 def _collate(dataset: Sequence[dict], indices: range) -> dict[str, torch.Tensor]:
     # The rows keep the dataset's full width: trimming padding per batch would make a sample's features
     # depend (in the last bits) on its batch neighbours, and a resumed store must match an uninterrupted one.
@@ -131,20 +172,13 @@ def _batches_of(shards: Sequence[int], bounds: Callable[[int], tuple[int, int]],
 
 def _prepare_store(store: FeatureStore, manifest: StoreManifest, overwrite: bool, ranks: Collectives) -> list[int]:
     """Rank 0 creates or checks the store, every rank then checks it; returns the shards left to compute."""
-    error: Optional[BaseException] = None
-    if ranks.rank == 0:
-        try:
-            store.prepare(manifest, overwrite=overwrite)
-        except (ValueError, OSError) as err:
-            error = err
-    ranks.agree_on_error(error, "preparing the feature store")
-    error = None
-    try:
+    ranks.run_agreed("preparing the feature store", lambda: store.prepare(manifest, overwrite=overwrite), only_rank=0)
+
+    def open_store() -> list[int]:
         store.check(manifest)
-        pending = sorted(set(range(manifest.num_shards)) - set(store.finished_shards(manifest)))
-    except (ValueError, OSError) as err:
-        error, pending = err, []
-    ranks.agree_on_error(error, "opening the feature store")
+        return sorted(set(range(manifest.num_shards)) - set(store.finished_shards(manifest)))
+
+    pending = ranks.run_agreed("opening the feature store", open_store) or []
     ranks.check_agreement(pending, "feature-store shards left to compute (is the store on a filesystem every rank sees?)")
     return pending
 
@@ -154,7 +188,7 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
                    normalize: bool = True, show_progress: bool = True, shard_size: int = DEFAULT_SHARD_SIZE,
                    overwrite: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, sharded: bool = False,
                    on_shard_done: Optional[Callable[[int], None]] = None,
-                   collectives: Collectives = LOCAL) -> ExtractionResult:
+                   collectives: Collectives = LOCAL, fingerprint: Optional[str] = None) -> ExtractionResult:
     """extract_features with everything it found out: empty mask, shards computed and reused, timing.
 
     Collective: call on every rank with the same arguments. `chunk_size`
@@ -164,6 +198,7 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
     only its own store shards (shard s on rank s mod W), never all N x d.
     `collectives`: this rank among the ranks sharing the work (`LOCAL` for
     one process; `ds_cluster.distributed.collectives()` in a job).
+    `fingerprint`: the dataset's `dataset_fingerprint`, when the caller has it.
     """
     kind_object = feature_kind(kind)
     if batch_size < 1 or shard_size < 1:
@@ -180,10 +215,10 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
     projection = kind_object.projection(dim, vocab, hidden, seed)
     projection = projection.to(_device_of(engine, model)) if projection is not None else None
     feature_store = FeatureStore(store) if isinstance(store, (str, Path)) else store
+    fingerprint = (fingerprint or dataset_fingerprint(dataset)) if feature_store else ""
     manifest = StoreManifest(kind=kind, dim=dim, seed=seed, normalize=normalize,
                              model_fingerprint=model_fingerprint(engine, collectives) if feature_store else "",
-                             dataset_fingerprint=dataset_fingerprint(dataset) if feature_store else "",
-                             num_samples=len(dataset), shard_size=shard_size)
+                             dataset_fingerprint=fingerprint, num_samples=len(dataset), shard_size=shard_size)
     pending = (_prepare_store(feature_store, manifest, overwrite, collectives) if feature_store is not None
                else list(range(manifest.num_shards)))
 

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch
 
-from ds_cluster.dataset import IGNORE_INDEX, InstructionDataset
+from ds_cluster.data.dataset import IGNORE_INDEX, InstructionDataset
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _decoded_record(training_data: Any, index: int) -> dict[str, str]:
             f"cluster_sampling.feature_model re-encodes every sample with the feature model's tokenizer, but the "
             f"training data ({type(training_data).__name__}) has neither `records` (as InstructionDataset has) nor "
             "a `tokenizer` attribute to decode its ids with: set `dataset.tokenizer = <the trained tokenizer>`, "
-            "or build it with ds_cluster.dataset.InstructionDataset")
+            "or build it with ds_cluster.data.dataset.InstructionDataset")
     item = training_data[index]
     ids = torch.as_tensor(item["input_ids"]).tolist()
     labels = torch.as_tensor(item["labels"]).tolist()
@@ -75,8 +75,8 @@ def feature_engine(path: Union[str, os.PathLike], ds_config: Optional[Mapping[st
     """(forward-only DeepSpeed engine of the feature model under the job's ZeRO stage, its tokenizer). Collective."""
     import deepspeed
 
-    from ds_cluster.analysis import forward_only_config
-    from ds_cluster.models import load_model_and_tokenizer
+    from ds_cluster.ds_config import forward_only_config
+    from ds_cluster.data.models import load_model_and_tokenizer
 
     config = forward_only_config(dict(ds_config or {}))
     config.setdefault("train_micro_batch_size_per_gpu", 1)

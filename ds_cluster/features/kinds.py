@@ -1,6 +1,8 @@
-"""The per-sample feature of one batch, from the output layer's input and logits (pure torch).
+"""The kinds of per-sample feature, in a registry (`FEATURE_KINDS`, the `feature_kind` key).
 
-Kinds (docs/design.md, "Features"):
+Each kind gives its dimension, its projection and one chunk of response
+positions' contribution, computed on the tensors it is handed (no torch
+import here: the config reads the registry). Kinds (docs/design.md, "Features"):
 
 - ``proxy``: g(x) = mean_{t in R} (p_t - 1) h_t, the gold-token rows of the
   per-token output-layer gradients (the paper's feature, d = hidden size);
@@ -9,30 +11,30 @@ Kinds (docs/design.md, "Features"):
   projected to ``dim`` through its two factors (projection.py), never formed.
 
 R are the response positions (labels != -100 after the shift: position t
-predicts token t+1). The softmax over the vocabulary is taken `chunk_size`
-response positions at a time, so the extra memory is chunk_size x vocabulary,
-whatever the answers' length.
+predicts token t+1); `extract.batch_features` feeds them a chunk at a time.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar, Optional, Union
 
-import torch
+from ds_cluster.registry import Registry
 
-from ds_cluster.dataset import IGNORE_INDEX
-from ds_cluster.features.projection import KroneckerProjection, kronecker_projection
+if TYPE_CHECKING:  # the math runs on tensors it is handed: importing the registry (the config does) needs no torch
+    import torch
 
-DEFAULT_CHUNK_SIZE = 256
+    from ds_cluster.features.projection import KroneckerProjection
+
 DEFAULT_LM_HEAD_DIM = 1024
-# logits_at(sample indices, positions) -> (n, V) logits at those positions.
-LogitsAt = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class FeatureKind(ABC):
     """One kind of per-sample feature: its dimension, its projection, and one chunk's contribution."""
 
     name: ClassVar[str]
+    summary: ClassVar[str]  # a few words for messages and docs
+    # Whether the dimension is chosen (`feature_dim`, a random projection) rather than fixed by the model.
+    projected: ClassVar[bool] = False
 
     @abstractmethod
     def resolve_dim(self, dim: Optional[int], vocab: int, hidden: int) -> int:
@@ -52,6 +54,7 @@ class Proxy(FeatureKind):
     """The paper's feature: mean over response positions of (p_t - 1) h_t; d = hidden size."""
 
     name = "proxy"
+    summary = "the paper's feature"
 
     def resolve_dim(self, dim: Optional[int], vocab: int, hidden: int) -> int:
         if dim is not None and dim != hidden:
@@ -62,7 +65,7 @@ class Proxy(FeatureKind):
     def contribution(self, log_probs: torch.Tensor, gold: torch.Tensor, hidden: torch.Tensor,
                      weights: torch.Tensor, projection: Optional[KroneckerProjection]) -> torch.Tensor:
         # p_t - 1 = expm1(log p_t): accurate when the model is confident.
-        coef = torch.expm1(log_probs.gather(1, gold.unsqueeze(1)).squeeze(1)) * weights
+        coef = log_probs.gather(1, gold.unsqueeze(1)).squeeze(1).expm1() * weights
         return coef.unsqueeze(1) * hidden
 
 
@@ -70,6 +73,8 @@ class LmHead(FeatureKind):
     """The exact output-layer gradient, projected to `dim` through its two factors (never formed)."""
 
     name = "lm_head"
+    summary = "the exact output-layer gradient, projected"
+    projected = True
 
     def resolve_dim(self, dim: Optional[int], vocab: int, hidden: int) -> int:
         if dim is None:
@@ -80,6 +85,8 @@ class LmHead(FeatureKind):
         return dim
 
     def projection(self, dim: int, vocab: int, hidden: int, seed: int) -> Optional[KroneckerProjection]:
+        from ds_cluster.features.projection import kronecker_projection
+
         return kronecker_projection(dim, vocab, hidden, seed)
 
     def contribution(self, log_probs: torch.Tensor, gold: torch.Tensor, hidden: torch.Tensor,
@@ -92,48 +99,20 @@ class LmHead(FeatureKind):
         return (weights[:, None, None] * out_factor.unsqueeze(2) * in_factor.unsqueeze(1)).flatten(1)
 
 
-FEATURE_KINDS: dict[str, FeatureKind] = {kind.name: kind for kind in (Proxy(), LmHead())}
+_KINDS = (Proxy(), LmHead())
 
 
-def feature_kind(name: str) -> FeatureKind:
+def _unknown_kind(name: str) -> str:
+    choices = " or ".join(f"{kind.name!r} ({kind.summary})" for kind in _KINDS)
+    message = f"unknown feature kind {name!r}; use {choices}"
+    if name == "layers":  # the kind the paper's ablation names: say why it is absent
+        message += ". 'layers' is not available: per-sample gradients of inner layers are not implemented"
+    return message
+
+
+FEATURE_KINDS: Registry[FeatureKind] = Registry("feature_kind", _KINDS, describe_unknown=_unknown_kind)
+
+
+def feature_kind(kind: Union[str, FeatureKind]) -> FeatureKind:
     """The feature kind a config or command line names; ValueError naming the kinds there are."""
-    if name not in FEATURE_KINDS:
-        raise ValueError(f"unknown feature kind {name!r}; use 'proxy' (the paper's feature) or 'lm_head' (the "
-                         "exact output-layer gradient, projected)")
-    return FEATURE_KINDS[name]
-
-
-def batch_features(hidden: torch.Tensor, labels: torch.Tensor, logits_at: LogitsAt, kind: FeatureKind,
-                   projection: Optional[KroneckerProjection] = None,
-                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Un-normalised features (B, d) float32 and the empty mask (B,) of one batch.
-
-    hidden (B, T, H): the output layer's input; labels (B, T), unshifted, -100
-    ignored; `logits_at(b, t)` the logits of sample b at position t.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if isinstance(kind, str):
-        kind = feature_kind(kind)
-    targets = labels[:, 1:].to(hidden.device)
-    response = targets != IGNORE_INDEX  # (B, T-1)
-    counts = response.sum(dim=1)
-    samples, positions = response.nonzero(as_tuple=True)
-    # Each sample's feature is a mean over its own response positions.
-    weights = 1.0 / counts[samples].float()
-    gold = targets[samples, positions]
-    dim = projection.dim if projection is not None else hidden.shape[-1]
-    rows = torch.zeros(hidden.shape[0], dim, dtype=torch.float32, device=hidden.device)
-    for start in range(0, samples.numel(), chunk_size):
-        part = slice(start, start + chunk_size)
-        b, t = samples[part], positions[part]
-        log_probs = torch.log_softmax(logits_at(b, t).float(), dim=-1)  # (n, V)
-        rows.index_add_(0, b, kind.contribution(log_probs, gold[part], hidden[b, t].float(), weights[part],
-                                                projection))
-    return rows, counts == 0
-
-
-def normalize_rows(rows: torch.Tensor) -> torch.Tensor:
-    """L2-normalise each row; zero rows stay zero (never NaN)."""
-    norms = rows.norm(dim=1, keepdim=True)
-    return torch.where(norms > 0, rows / norms.clamp_min(torch.finfo(rows.dtype).tiny), torch.zeros_like(rows))
+    return FEATURE_KINDS.get_rule(kind)

@@ -25,8 +25,8 @@ from ds_cluster import distributed
 from ds_cluster.batching import BatchShape
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.ds_config import cluster_block, config_in_call, read_ds_config
-from ds_cluster.integrations import plan_setup
-from ds_cluster.sampler import ClusterDataLoader
+from ds_cluster.integrations.setup import ClusterSetup, TrainerAdapter
+from ds_cluster.loader.sampler import ClusterDataLoader
 
 logger = logging.getLogger(__name__)
 
@@ -128,47 +128,40 @@ def _initialize(original: Callable, *args: Any, **kwargs: Any):
     collate_fn = arguments.pop("collate_fn", None)
     if arguments.get("dist_init_required") is not False:
         distributed.init_distributed()
+    cluster_setup = ClusterSetup(cluster_config, training_data, everyone=distributed.collectives(),
+                                 ds_config=config_dict, source=source)
     # Checked before the engine is built: a bad set-up fails in seconds, not after the model is sharded.
     # With model parallelism (an mpu) the data-parallel size is not the world size: DeepSpeed checks it.
-    checked = plan_setup.check_cluster_setup(
-        cluster_config, training_data, ds_config=config_dict, source=source,
-        world_size=None if arguments.get("mpu") is not None else distributed.get_world_size())
+    cluster_setup.check(world_size=None if arguments.get("mpu") is not None else distributed.get_world_size())
 
     engine, optimizer, _, lr_scheduler = original(**arguments)
-    shape = BatchShape(engine.dp_world_size, engine.train_micro_batch_size_per_gpu(),
-                       engine.gradient_accumulation_steps())
-    loader = plan_setup.setup_cluster_loader(
-        cluster_config, training_data, rank=_data_parallel_rank(engine), group=_data_parallel_group(engine),
-        shape=shape, engine=engine, collate_fn=collate_fn, ds_config=config_dict, source=source, checked=checked,
-        computed_by="the training job (deepspeed.initialize)")
+    loader = cluster_setup.build_loader(hook_adapter(engine, collate_fn))
     engine.training_dataloader = loader
-    attach_checkpoint_state(engine, loader)
+    attach_checkpoint_state(engine, loader, cluster_setup)
     return engine, optimizer, loader, lr_scheduler
 
 
-def _data_parallel_group(engine: Any) -> Any:
-    if getattr(engine, "mpu", None) is not None:
-        return engine.mpu.get_data_parallel_group()
-    return engine.data_parallel_group
-
-
-def _data_parallel_rank(engine: Any) -> int:
-    if getattr(engine, "mpu", None) is not None:
-        return int(engine.mpu.get_data_parallel_rank())
-    import torch.distributed as dist
-
-    return int(dist.get_rank(group=engine.data_parallel_group)) if dist.is_initialized() else 0
+def hook_adapter(engine: Any, collate_fn: Any = None) -> TrainerAdapter:
+    """The hook's place among the trainers: the engine's data-parallel group (the mpu's with model
+    parallelism), its micro batch and accumulation steps, and the engine itself for a missing analysis."""
+    mpu = getattr(engine, "mpu", None)
+    group = mpu.get_data_parallel_group() if mpu is not None else engine.data_parallel_group
+    data_parallel = distributed.collectives(group)
+    shape = BatchShape(data_parallel.world_size, engine.train_micro_batch_size_per_gpu(),
+                       engine.gradient_accumulation_steps())
+    return TrainerAdapter(name="the training job (deepspeed.initialize)", data_parallel=data_parallel, shape=shape,
+                          engine=engine, collate_fn=collate_fn)
 
 
 # -------------------------------------------------------------- checkpoints
-def attach_checkpoint_state(engine: Any, loader: ClusterDataLoader) -> None:
-    """Make `engine.save_checkpoint`/`load_checkpoint` carry the loader's position."""
+def attach_checkpoint_state(engine: Any, loader: ClusterDataLoader, cluster_setup: ClusterSetup) -> None:
+    """Make `engine.save_checkpoint`/`load_checkpoint` carry the loader's position (in `client_state`)."""
     save_checkpoint, load_checkpoint = engine.save_checkpoint, engine.load_checkpoint
 
     @functools.wraps(save_checkpoint)
     def save_with_sampler(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         state = dict(client_state or {})
-        state[CHECKPOINT_KEY] = loader.state_dict()
+        state[CHECKPOINT_KEY] = loader.state_dict(engine.global_steps)
         return save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kwargs)
 
     @functools.wraps(load_checkpoint)
@@ -180,7 +173,7 @@ def attach_checkpoint_state(engine: Any, loader: ClusterDataLoader) -> None:
                 logger.warning("checkpoint %s holds no ds_cluster sampler state; starting the plan from epoch 0",
                                load_path)
             else:
-                loader.load_state_dict(sampler_state)
+                cluster_setup.restore_sampler(loader, sampler_state, engine.global_steps, where=str(load_path))
         return load_path, client_state
 
     engine.save_checkpoint = save_with_sampler

@@ -42,11 +42,11 @@ from ds_cluster import distributed
 from ds_cluster.batching import BatchShape
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.fileio import write_json_atomic
-from ds_cluster.integrations import plan_setup
-from ds_cluster.loss import LOSS_NORMALIZER, weighted_causal_lm_loss
-from ds_cluster.plan import Plan
-from ds_cluster.sampler import SAMPLE_INDEX, SAMPLE_WEIGHT, ClusterDataLoader
-from ds_cluster.special_tokens import ensure_pad_token
+from ds_cluster.integrations.setup import ClusterSetup, TrainerAdapter
+from ds_cluster.loader.loss import LOSS_NORMALIZER, weighted_causal_lm_loss
+from ds_cluster.planning.plan import Plan
+from ds_cluster.loader.sampler import SAMPLE_INDEX, SAMPLE_WEIGHT, ClusterDataLoader
+from ds_cluster.data.special_tokens import ensure_pad_token
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +56,12 @@ SAMPLER_STATE_FILE = "ds_cluster_sampler.json"
 class _ReleaseSharedMemory(TrainerCallback):
     """Unlinks DeepSpeed's CPU shm all-reduce buffer once Trainer has built its engine.
 
-    The set-up (`plan_setup`) releases what exists when the loader is built;
-    Trainer's engine, built after it, may start DeepSpeed's communication anew.
+    The set-up releases what exists when the loader is built; Trainer's engine,
+    built after it, may start DeepSpeed's communication anew.
     """
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        plan_setup.release_shared_memory()
+        ClusterSetup.release_shared_memory()
 
 
 class PlanBatchSampler(Sampler[list[int]]):
@@ -138,6 +138,7 @@ class ClusterSamplingMixin:
             ensure_pad_token(self.processing_class, distributed.get_rank())
         self.cluster_config = resolve_cluster_config(cluster_config, self.args.deepspeed)
         self.plan: Optional[Plan] = None
+        self.cluster_setup: Optional[ClusterSetup] = None
         self.cluster_loader: Optional[ClusterDataLoader] = None
         self._resume_checkpoint: Optional[str] = None
         if self.args.deepspeed:
@@ -150,20 +151,31 @@ class ClusterSamplingMixin:
     def build_cluster_plan(self, collate_fn: Optional[Any] = None, loader_dataset: Any = None) -> Plan:
         """Collective: the plan for this run's batch shape, and this rank's loader over it (`self.cluster_loader`).
 
-        The one set-up every trainer shares (`plan_setup.setup_cluster_loader`).
+        The one set-up every trainer shares (`ClusterSetup`), given this trainer's adapter
+        (`trainer_adapter`).
+        """
+        ds_config = _without_auto(self.args.hf_deepspeed_config.config) if self.args.deepspeed else None
+        adapter = self.trainer_adapter(collate_fn, loader_dataset)
+        self.cluster_setup = ClusterSetup(self.cluster_config, self.cluster_plan_dataset(),
+                                          everyone=adapter.data_parallel, ds_config=ds_config,
+                                          source=str(self.args.deepspeed) if self.args.deepspeed else "cluster_config")
+        self.cluster_loader = self.cluster_setup.build_loader(adapter, check_world_size=adapter.shape.world_size)
+        self.plan = self.cluster_loader.plan
+        return self.plan
+
+    def trainer_adapter(self, collate_fn: Optional[Any] = None, loader_dataset: Any = None) -> TrainerAdapter:
+        """The Trainer's place among the trainers: every rank is a data-parallel rank (checked), the batch is
+        `per_device_train_batch_size` x `gradient_accumulation_steps` per rank, and a forward-only engine of
+        the model computes a missing analysis.
+
         Rank and world size come from torch.distributed, not from `args.process_index`/`world_size`:
         Accelerate reports one process for DeepSpeed on CPU although DeepSpeed trains on all of them.
         """
-        shape = BatchShape(distributed.get_world_size(), self._train_batch_size,
-                           self.args.gradient_accumulation_steps)
-        ds_config = _without_auto(self.args.hf_deepspeed_config.config) if self.args.deepspeed else None
-        self.cluster_loader = plan_setup.setup_cluster_loader(
-            self.cluster_config, self.cluster_plan_dataset(), rank=distributed.get_rank(), group=None, shape=shape,
-            engine=self._feature_engine, collate_fn=collate_fn, loader_dataset=loader_dataset,
-            ds_config=ds_config, source=str(self.args.deepspeed) if self.args.deepspeed else "cluster_config",
-            world_size=distributed.get_world_size(), computed_by=f"the training job ({type(self).__name__})")
-        self.plan = self.cluster_loader.plan
-        return self.plan
+        check_data_parallel_is_the_world(self.args)
+        everyone = distributed.collectives()
+        shape = BatchShape(everyone.world_size, self._train_batch_size, self.args.gradient_accumulation_steps)
+        return TrainerAdapter(name=f"the training job ({type(self).__name__})", data_parallel=everyone, shape=shape,
+                              engine=self._feature_engine, collate_fn=collate_fn, loader_dataset=loader_dataset)
 
     def cluster_plan_dataset(self) -> Any:
         """What the plan is of: the samples fingerprinted and, for a missing analysis, the features' input.
@@ -180,7 +192,7 @@ class ClusterSamplingMixin:
             return self.model
         import deepspeed
 
-        from ds_cluster.analysis import forward_only_config
+        from ds_cluster.ds_config import forward_only_config
 
         config = forward_only_config(_without_auto(self.args.hf_deepspeed_config.config))
         engine, *_ = deepspeed.initialize(model=self.model, config=config)
@@ -236,44 +248,51 @@ class ClusterSamplingMixin:
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
-        if self.cluster_loader is None or self.plan is None or distributed.get_rank() != 0:
+        if self.cluster_loader is None or distributed.get_rank() != 0:
             return
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        state = self.cluster_loader.state_dict()
+        state = self.cluster_loader.state_dict(self.state.global_step)
         # The position from the optimizer step, not from what the loader has read ahead (workers prefetch).
-        state["epoch"], state["position"] = self._resume_point(self.state.global_step, self.plan)
-        state["global_step"] = self.state.global_step
+        state["epoch"], state["position"] = self.cluster_loader.resume_point(self.state.global_step)
         write_json_atomic(folder / SAMPLER_STATE_FILE, state)
 
-    @staticmethod
-    def _resume_point(global_step: int, plan: Plan) -> tuple[int, int]:
-        """(epoch, micro-batches of it trained) after `global_step` optimizer steps: Trainer's own arithmetic."""
-        epoch, steps_in_epoch = divmod(global_step, plan.steps_per_epoch)
-        return epoch, steps_in_epoch * plan.gradient_accumulation_steps
-
     def _check_sampler_state(self, checkpoint: str, plan: Plan) -> None:
-        """The checkpoint was trained on this plan and stopped where Trainer will resume."""
-        assert self.cluster_loader is not None
+        """Collective: the checkpoint was trained on this plan and stopped where Trainer will resume."""
+        assert self.cluster_loader is not None and self.cluster_setup is not None
         state_path = Path(checkpoint) / SAMPLER_STATE_FILE
-        error: Optional[BaseException] = None
-        try:
+
+        def read() -> Optional[tuple[dict, int]]:
             if not state_path.exists():
-                logger.warning("%s holds no %s: resuming without checking the plan", checkpoint, SAMPLER_STATE_FILE)
-            else:
-                state = json.loads(state_path.read_text())
-                self.cluster_loader.load_state_dict(state)  # raises on another plan
-                global_step = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json")).global_step
-                expected = self._resume_point(global_step, plan)
-                if (state["epoch"], state["position"]) != expected or state.get("global_step") != global_step:
-                    raise ValueError(
-                        f"{state_path}: sampler at epoch {state['epoch']} micro-batch {state['position']} (step "
-                        f"{state.get('global_step')}) but the checkpoint is at step {global_step}, i.e. epoch "
-                        f"{expected[0]} micro-batch {expected[1]}")
-        except (ValueError, OSError, KeyError) as err:
-            error = err if isinstance(err, ValueError) else ValueError(f"{state_path}: {err}")
-        distributed.agree_on_error(error, "restoring the cluster sampler state")
+                return None
+            global_step = TrainerState.load_from_json(str(Path(checkpoint) / "trainer_state.json")).global_step
+            return json.loads(state_path.read_text()), global_step
+
+        everyone = self.cluster_setup.everyone
+        found = everyone.run_agreed("reading the cluster sampler state", read, errors=(ValueError, OSError))
+        everyone.check_agreement(found is None, f"whether {state_path} exists")
+        if found is None:
+            logger.warning("%s holds no %s: resuming without checking the plan", checkpoint, SAMPLER_STATE_FILE)
+        else:
+            self.cluster_setup.restore_sampler(self.cluster_loader, found[0], found[1], where=str(state_path))
         # Trainer skips the resumed epoch's first micro-batches itself; the sampler starts the epoch whole.
         self.cluster_loader.position = 0
+
+
+def check_data_parallel_is_the_world(args: Any) -> None:
+    """ValueError when the Trainer is asked for model, context or sequence parallelism: the cluster plan would
+    be dealt over every rank, while only the data-parallel ranks take different batches."""
+    parallelism = getattr(args, "parallelism_config", None)
+    others = int(getattr(parallelism, "non_data_parallel_size", 1) or 1) if parallelism is not None else 1
+    ds_config = args.hf_deepspeed_config.config if getattr(args, "deepspeed", None) else {}
+    sequence_parallel = ds_config.get("sequence_parallel_size", 1)
+    sequence_parallel = sequence_parallel if isinstance(sequence_parallel, int) else 1
+    if others > 1 or sequence_parallel > 1:
+        raise ValueError(
+            f"cluster_sampling with {type(args).__name__} deals the plan over every rank, so every rank must be a "
+            f"data-parallel rank; this run asks for {others * sequence_parallel} ranks of model, context or "
+            "sequence parallelism per data-parallel rank (parallelism_config or the DeepSpeed config's "
+            "sequence_parallel_size). Train without them, or use the DeepSpeed hook (ds_cluster.install()) with "
+            "an mpu that gives the data-parallel group")
 
 
 class ClusterTrainer(ClusterSamplingMixin, Trainer):

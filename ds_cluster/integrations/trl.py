@@ -36,13 +36,18 @@ from typing import Any, Mapping, Optional, Union
 import datasets
 import torch
 from torch.utils.data import Dataset
-from trl import SFTTrainer
+
+try:
+    from trl import SFTTrainer
+except ImportError as err:  # an extra: a training job through the hook or ClusterTrainer does not need TRL
+    raise ImportError("ClusterSFTTrainer needs TRL (trl>=1.16,<2), which is not installed: "
+                      "pip install 'ds_cluster[trl]'") from err
 
 from ds_cluster import distributed
 from ds_cluster.config import ClusterSamplingConfig
-from ds_cluster.dataset import IGNORE_INDEX
+from ds_cluster.data.dataset import IGNORE_INDEX
 from ds_cluster.integrations.hf import ClusterSamplingMixin, resolve_cluster_config
-from ds_cluster.sampler import SAMPLE_WEIGHT
+from ds_cluster.loader.sampler import SAMPLE_WEIGHT
 
 logger = logging.getLogger(__name__)
 

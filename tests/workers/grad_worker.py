@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import ds_cluster  # noqa: E402
 from ds_cluster import distributed  # noqa: E402
-from ds_cluster.loss import weighted_causal_lm_loss  # noqa: E402
+from ds_cluster.loader.loss import weighted_causal_lm_loss  # noqa: E402
 from tests.workers.feature_fixtures import tiny_llama, token_dataset  # noqa: E402
 
 

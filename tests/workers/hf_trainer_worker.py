@@ -15,10 +15,10 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ds_cluster import distributed
-from ds_cluster.dataset import load_instruction_dataset
+from ds_cluster.data.dataset import load_instruction_dataset
 from ds_cluster.ds_config import read_ds_config
 from ds_cluster.integrations.hf import ClusterTrainer
-from ds_cluster.models import load_model_and_tokenizer
+from ds_cluster.data.models import load_model_and_tokenizer
 
 
 class TraceMixin:

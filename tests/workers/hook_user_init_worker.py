@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import deepspeed  # noqa: E402
 
 import ds_cluster  # noqa: E402
-from ds_cluster.dataset import load_instruction_dataset  # noqa: E402
-from ds_cluster.models import load_model_and_tokenizer  # noqa: E402
+from ds_cluster.data.dataset import load_instruction_dataset  # noqa: E402
+from ds_cluster.data.models import load_model_and_tokenizer  # noqa: E402
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Run by tests/test_trl_trainer.py (2 ranks, CPU). The data is what a TRL user
 passes: a datasets.Dataset of prompt/completion records (the Alpaca prompt of
-ds_cluster.dataset.format_prompt, the record's output), tokenized by
+ds_cluster.data.dataset.format_prompt, the record's output), tokenized by
 SFTTrainer itself. Each rank appends {"step", "indices", "loss"} per
 micro-batch to OUT/trace/rank<R>.jsonl from inside compute_loss, i.e. what the
 model really saw after SFTTrainer's, Trainer's and Accelerate's data handling.
@@ -21,9 +21,9 @@ from trl import SFTConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ds_cluster import distributed  # noqa: E402
-from ds_cluster.dataset import format_prompt, read_jsonl  # noqa: E402
+from ds_cluster.data.dataset import format_prompt, read_jsonl  # noqa: E402
 from ds_cluster.integrations.trl import ClusterSFTTrainer  # noqa: E402
-from ds_cluster.models import load_model_and_tokenizer  # noqa: E402
+from ds_cluster.data.models import load_model_and_tokenizer  # noqa: E402
 from tests.workers.hf_trainer_worker import (TraceMixin, argument_values, train_traced,  # noqa: E402
                                             worker_arguments)
 

@@ -1,0 +1,280 @@
+"""One set-up of the plan and its loader for every trainer: the DeepSpeed hook, ClusterTrainer, ClusterSFTTrainer.
+
+A trainer supplies only a small `TrainerAdapter`: its data-parallel ranks
+(rank, size and the sum over them), its batch shape, and an engine (or a
+way to build a forward-only one) for computing a missing analysis.
+Everything else is `ClusterSetup`'s, once, the same for all three:
+
+1. DeepSpeed's CPU shared-memory buffers are released (`release_shared_memory`,
+   the one place), at the start, so a job that fails below leaves nothing in
+   /dev/shm, and again once the trainer's engine exists;
+2. the checks: analysis_path on a filesystem every rank sees, curriculum
+   learning off, the batch arithmetic, a map-style dataset, the same data on
+   every rank, the analysis (when there is one) made for this data;
+3. the analysis computed in the job when analysis_path holds none yet
+   (features from the given engine before the first step, written
+   atomically, resumed after a kill through its feature store);
+4. the plan, the same on every rank (fingerprints compared), and the loader;
+5. resume: one sampler state (the same dict in DeepSpeed's `client_state` and
+   in a Trainer checkpoint's JSON file) and one restore with the same errors.
+
+The dataset's fingerprint is computed once per start-up. A failure on any
+rank becomes an error on all of them (never a rank left waiting in a
+collective).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+
+from ds_cluster import distributed
+from ds_cluster.analysis.folder import AnalysisDir, PlanInputs
+from ds_cluster.batching import BatchShape, check_batch_arithmetic
+from ds_cluster.collectives import Collectives
+from ds_cluster.config import ClusterSamplingConfig
+from ds_cluster.data.dataset import dataset_fingerprint
+from ds_cluster.loader.sampler import ClusterDataLoader
+from ds_cluster.planning.plan import Plan, build_plan
+
+logger = logging.getLogger(__name__)
+
+# An engine whose forward computes the features, or a function that builds a forward-only one on demand
+# (destroyed once the analysis is written).
+EngineOrFactory = Union[Any, Callable[[], Any]]
+
+
+@dataclass(frozen=True)
+class TrainerAdapter:
+    """What differs between trainers: where this process sits among the data-parallel ranks, the batch
+    shape, what computes a missing analysis, and what the loader reads and collates."""
+
+    name: str  # says who computed an analysis, in its manifest and in messages
+    data_parallel: Collectives  # this rank among the data-parallel ranks (rank, size, the sum over them)
+    shape: BatchShape
+    engine: EngineOrFactory = None
+    collate_fn: Optional[Callable] = None
+    loader_dataset: Any = None  # what the loader reads, when not the training data itself
+
+
+class ClusterSetup:
+    """The checks, the in-job analysis, the plan, the loader and resume, for one trainer's start-up.
+
+    `everyone`: every rank of the job (the checks and the in-job analysis span
+    them all); the plan is over the data-parallel ranks the adapter gives.
+    """
+
+    def __init__(self, config: ClusterSamplingConfig, training_data: Any, *, everyone: Collectives,
+                 ds_config: Optional[Mapping] = None, source: str = "the DeepSpeed config"):
+        self.config = config
+        self.training_data = training_data
+        self.everyone = everyone
+        self.ds_config = ds_config
+        self.source = source
+        self._fingerprint: Optional[str] = None
+        self._checked = False
+        self._inputs: Optional[PlanInputs] = None
+
+    # ------------------------------------------------------------------ checks
+    @property
+    def data_fingerprint(self) -> str:
+        """The training data's content fingerprint, computed once."""
+        if self._fingerprint is None:
+            self._fingerprint = dataset_fingerprint(self.training_data)
+        return self._fingerprint
+
+    @staticmethod
+    def release_shared_memory() -> None:
+        """Collective: unlink DeepSpeed's CPU shm all-reduce buffers (the one call every trainer makes)."""
+        distributed.release_shared_memory_buffer()
+
+    def check(self, world_size: Optional[int] = None) -> None:
+        """Collective: every check that needs no engine, an error on every rank if any fails.
+
+        `world_size`: the data-parallel size the batch arithmetic of the DeepSpeed
+        config is checked against (None: not checked, e.g. with model parallelism
+        or "auto" batch values that the trainer fills in itself).
+        """
+        self.release_shared_memory()
+        if self.config.analysis_path:
+            folder = Path(self.config.analysis_path).absolute().parent
+            folder.mkdir(parents=True, exist_ok=True)
+            # Ranks on other hosts read the analysis through a shared filesystem: a rank that cannot see
+            # it fails the start on every rank, naming its host, instead of training on something else.
+            distributed.check_shared_path(folder, "folder holding cluster_sampling.analysis_path", ranks=self.everyone)
+
+        def local_checks() -> Optional[PlanInputs]:
+            if self.ds_config is not None:
+                check_no_curriculum(self.ds_config, self.source)
+                if world_size is not None:
+                    check_batch_arithmetic(self.ds_config, self.source, world_size)
+            check_training_data(self.training_data)
+            return self.read_inputs() if self.analysis.exists() else None
+
+        self._inputs = self.everyone.run_agreed("cluster_sampling set-up", local_checks,
+                                                errors=(ValueError, FileNotFoundError))
+        # The plan depends only on the analysis, so a rank handed other data of the same length would
+        # build the same plan and silently train on other samples.
+        self.everyone.check_agreement((len(self.training_data), self.data_fingerprint),
+                                      "training data (number of samples, content fingerprint)")
+        # Every rank must agree on whether the analysis exists (a shared folder), or one would wait for the others.
+        self.everyone.check_agreement(self._inputs is None,
+                                      "whether cluster_sampling.analysis_path holds an analysis")
+        self._checked = True
+
+    @property
+    def analysis(self) -> AnalysisDir:
+        if not self.config.analysis_path:
+            raise ValueError("cluster_sampling.analysis_path is not set: point it at the analysis folder written by "
+                             "`ds-cluster analyze` (features.npy and/or labels.npy), or at a folder for the training "
+                             "job to write one into")
+        return AnalysisDir(self.config.analysis_path)
+
+    def read_inputs(self) -> PlanInputs:
+        """The analysis's features/labels, checked against the training data (length and fingerprint)."""
+        return self.analysis.load_inputs(len(self.training_data), self.data_fingerprint)
+
+    # ------------------------------------------------------------------ plan and loader
+    def build_loader(self, adapter: TrainerAdapter, check_world_size: Optional[int] = None) -> ClusterDataLoader:
+        """Collective: this data-parallel rank's cluster-balanced loader.
+
+        Runs `check` first unless the trainer already did (the hook does, before
+        building its engine); `check_world_size` is what that check compares the
+        batch arithmetic with. The loader's `analysis_timings` say what computing
+        the analysis in the job cost (empty when it was read).
+        """
+        if adapter.shape.world_size != adapter.data_parallel.world_size:
+            raise ValueError(f"{adapter.name}: the batch shape has {adapter.shape.world_size} data-parallel ranks but "
+                             f"the data-parallel group has {adapter.data_parallel.world_size}")
+        self.release_shared_memory()  # again: the engine may have started DeepSpeed's communication just now
+        if not self._checked:
+            self.check(check_world_size)
+        inputs, timings = self._inputs, {}
+        if inputs is None:
+            inputs, timings = self.analyze_in_job(adapter)
+        plan = self.agreed_plan(adapter.shape, inputs)
+        loader = ClusterDataLoader(self.training_data if adapter.loader_dataset is None else adapter.loader_dataset,
+                                   plan, adapter.data_parallel.rank, collate_fn=adapter.collate_fn,
+                                   sum_over_ranks=adapter.data_parallel.sum)
+        loader.analysis_timings = timings
+        return loader
+
+    def analyze_in_job(self, adapter: TrainerAdapter) -> tuple[PlanInputs, dict[str, float]]:
+        """Collective: selection in the training job itself, features by the job's engine, k-means, the folder.
+
+        With `config.feature_model` the features come from that checkpoint instead,
+        in its own forward-only engine under the job's ZeRO stage, on the samples
+        re-encoded with its tokenizer. Feature extraction is shared over every rank;
+        the feature store inside the folder makes a crashed job's rerun resume it.
+        Returns the plan inputs and the timings (seconds).
+        """
+        from ds_cluster.analysis.compute import analyze
+
+        started, cpu_started = time.perf_counter(), time.process_time()
+        provenance = {"computed_by": adapter.name, "feature_model": self.config.feature_model}
+        features_of = self.training_data
+        if self.config.feature_model:
+            from ds_cluster.features.feature_model import feature_dataset, feature_engine
+
+            feature_model, feature_tokenizer = feature_engine(self.config.feature_model, self.ds_config)
+            features_of = feature_dataset(self.training_data, feature_tokenizer, self.config.feature_max_length)
+            built = True
+        else:
+            built = callable(adapter.engine) and not isinstance(adapter.engine, torch.nn.Module)
+            feature_model = adapter.engine() if built else adapter.engine
+        try:
+            summary = analyze(feature_model, features_of, self.config.analysis_path, self.config,
+                              batch_size=adapter.shape.micro_batch_size, show_progress=self.everyone.rank == 0,
+                              provenance=provenance, collectives=self.everyone, analysis_of=self.training_data,
+                              analysis_of_fingerprint=self.data_fingerprint)
+        finally:
+            if built and hasattr(feature_model, "destroy"):
+                feature_model.destroy()  # removes its ZeRO-3 hooks: the trainer's own engine comes next
+        inputs = self.everyone.run_agreed("reading the analysis just computed", self.read_inputs,
+                                          errors=(ValueError, FileNotFoundError))
+        assert inputs is not None
+        timings = {name: float(value) for name, value in summary.get("timings_s", {}).items()}
+        timings.update(wall=time.perf_counter() - started, cpu=time.process_time() - cpu_started)
+        logger.info("ds_cluster: analysis computed in the training job in %.1f s (extraction %.1f s, clustering "
+                    "%.1f s): %s", timings["wall"], timings.get("extract", 0.0), timings.get("cluster", 0.0),
+                    self.config.analysis_path)
+        return inputs, timings
+
+    def agreed_plan(self, shape: BatchShape, inputs: Optional[PlanInputs] = None) -> Plan:
+        """Collective: the plan for this batch shape, the same on every rank, or an error on every rank."""
+        def build() -> Plan:
+            given = inputs if inputs is not None else self.read_inputs()
+            return build_plan(config=self.config, world_size=shape.world_size, micro_batch_size=shape.micro_batch_size,
+                              gradient_accumulation_steps=shape.gradient_accumulation_steps,
+                              **given.plan_arguments())
+
+        plan = self.everyone.run_agreed("building the cluster plan", build, errors=(ValueError, FileNotFoundError))
+        assert plan is not None
+        self.everyone.check_agreement(plan.fingerprint(), "cluster plan fingerprint")
+        if self.everyone.rank == 0:
+            summary = plan.summary()
+            logger.info("ds_cluster: kept %d of %d samples in %d clusters; %d steps per epoch; plan %s",
+                        summary["num_kept"], summary["num_samples"], summary["num_clusters"],
+                        summary["steps_per_epoch"], summary["fingerprint"])
+        return plan
+
+    # ------------------------------------------------------------------ resume
+    def restore_sampler(self, loader: ClusterDataLoader, state: Mapping[str, Any], global_step: Optional[int],
+                        where: str) -> None:
+        """Collective: put the loader where a checkpoint's sampler state says, or an error on every rank.
+
+        The state must be of this plan (same data, analysis, config and world
+        size) and, when it records its optimizer step, saved at the checkpoint's
+        own step (`global_step`) and at that step's place in the plan. `where`
+        names the checkpoint in messages.
+        """
+        def restore() -> None:
+            try:
+                loader.load_state_dict(dict(state))  # the version and the plan fingerprint
+                saved_step = state.get("global_step")
+                if saved_step is None or global_step is None:
+                    return  # a state written before the step was recorded
+                expected = loader.resume_point(global_step)
+                if int(saved_step) != int(global_step) or (state["epoch"], state["position"]) != expected:
+                    raise ValueError(
+                        f"sampler at epoch {state['epoch']} micro-batch {state['position']} (step {saved_step}) but "
+                        f"the checkpoint is at step {global_step}, i.e. epoch {expected[0]} micro-batch "
+                        f"{expected[1]}")
+            except KeyError as err:
+                raise ValueError(f"the sampler state has no {err}") from None
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+
+        self.everyone.run_agreed("restoring the cluster sampler state", restore)
+
+
+def check_training_data(training_data: Any) -> None:
+    """Cluster sampling picks samples by index: a non-empty map-style dataset, or a ValueError."""
+    if training_data is None:
+        raise ValueError("cluster_sampling is enabled but training_data is None")
+    if not (hasattr(training_data, "__len__") and hasattr(training_data, "__getitem__")):
+        raise ValueError(f"cluster_sampling picks samples by index, so training_data must be a map-style dataset "
+                         f"(with len() and [i]); got {type(training_data).__name__}. Materialise an iterable "
+                         "dataset first, or disable cluster_sampling")
+    if len(training_data) == 0:
+        raise ValueError("cluster_sampling is enabled but training_data is empty (0 samples): "
+                         "pass the dataset to train on")
+
+
+def check_no_curriculum(config_dict: Mapping, source: str) -> None:
+    """Cluster sampling replaces the curriculum sampler; both at once is an error."""
+    efficiency = config_dict.get("data_efficiency", {}) or {}
+    sampling = efficiency.get("data_sampling", {}) or {}
+    curriculum = sampling.get("curriculum_learning", {}) or {}
+    legacy = config_dict.get("curriculum_learning", {}) or {}
+    if curriculum.get("enabled") or legacy.get("enabled"):
+        where = ("data_efficiency.data_sampling.curriculum_learning" if curriculum.get("enabled")
+                 else "curriculum_learning")
+        raise ValueError(
+            f"{source}: {where} and cluster_sampling are both enabled; cluster sampling takes the curriculum "
+            f"sampler's place, so set {where}.enabled to false (or disable cluster_sampling)"
+        )

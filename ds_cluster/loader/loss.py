@@ -1,0 +1,68 @@
+"""The weighted language-model loss of one micro-batch.
+
+DeepSpeed divides the scalar it is given by the accumulation steps and
+averages the gradients over ranks. Two normalisations (the config's
+`loss_reduction`, applied by the loader through each item's
+`loss_normalizer`):
+
+- "sample": mean over the micro-batch of w_i * loss_i, loss_i the mean of
+  sample i's response-token losses (every sample counts the same);
+- "token": sum over the micro-batch of w_i * (sum of sample i's
+  response-token losses) / loss_normalizer, where the loader sets the
+  normaliser so that the update is the weighted token losses summed over the
+  response tokens of the whole global batch and divided by their number (the
+  Hugging Face Trainer convention, and the reference implementation's, which
+  weights the Trainer's token-level loss).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ds_cluster.data.dataset import IGNORE_INDEX
+
+# The batch field the loader adds for the token reductions.
+LOSS_NORMALIZER = "loss_normalizer"
+
+
+def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's summed next-token cross-entropy over its labelled tokens, and their count: (batch,) each."""
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:]
+    token_loss = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="none",
+    ).view(shift_labels.shape)
+    return token_loss.sum(dim=1), (shift_labels != IGNORE_INDEX).sum(dim=1)
+
+
+def per_sample_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of each sample over its labelled tokens: (batch,).
+
+    Position t predicts token t+1; labels of -100 are ignored. A sample with
+    no labelled token has loss 0 (it carries no gradient), never NaN.
+    """
+    sums, counts = token_loss_sums(logits, labels)
+    return sums / counts.clamp(min=1)
+
+
+def weighted_lm_loss(logits: torch.Tensor, labels: torch.Tensor, sample_weight: torch.Tensor,
+                     loss_normalizer: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The micro-batch's weighted loss, a scalar with a grad_fn (see the module docstring).
+
+    Without `loss_normalizer` ("sample"): mean_i w_i loss_i. With it ("token", one value per item):
+    sum_i w_i (summed token losses of i) / normalizer_i.
+    """
+    if loss_normalizer is None:
+        losses = per_sample_lm_loss(logits, labels)
+        return (losses * sample_weight.to(losses.dtype)).mean()
+    sums, _ = token_loss_sums(logits, labels)
+    return (sums * sample_weight.to(sums.dtype) / loss_normalizer.to(sums.dtype)).sum()
+
+
+def weighted_causal_lm_loss(outputs: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """`weighted_lm_loss` for a Hugging Face causal LM's output and a ds_cluster batch."""
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
+    return weighted_lm_loss(logits, batch["labels"], batch["sample_weight"], batch.get(LOSS_NORMALIZER))

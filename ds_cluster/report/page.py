@@ -1,0 +1,144 @@
+"""The HTML report: `write_report` takes plain data and writes a self-contained folder, index.html and PNG plots
+(matplotlib, Agg), relative links only, no script, no external resource.
+"""
+from __future__ import annotations
+
+import html
+import logging
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from ds_cluster.fileio import write_text_atomic
+from ds_cluster.planning.plan import Plan
+from ds_cluster.report.plots import (plot_category_heatmap, plot_cluster_sizes, plot_projection, plot_rank_step_heatmap,
+                                     plot_weights)
+from ds_cluster.report.summary import (cluster_category_counts, cluster_counts_per_rank_step, pca_projection,
+                                       schedule_coverage)
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- the HTML report
+_CSS = """
+body { font-family: sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ccc; }
+table { border-collapse: collapse; margin: 0.5em 0; font-size: 0.9em; }
+td, th { border: 1px solid #ccc; padding: 2px 8px; text-align: right; }
+th { background: #f0f0f0; } td.name, th.name { text-align: left; }
+img { max-width: 100%; border: 1px solid #eee; }
+p.note { color: #555; font-size: 0.9em; }
+"""
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], names: int = 1) -> str:
+    """An HTML table; the first `names` columns are left-aligned text."""
+    def cell(tag: str, index: int, value: Any) -> str:
+        css = ' class="name"' if index < names else ""
+        return f"<{tag}{css}>{html.escape(str(value))}</{tag}>"
+
+    lines = ["<table>", "<tr>" + "".join(cell("th", i, h) for i, h in enumerate(header)) + "</tr>"]
+    lines += ["<tr>" + "".join(cell("td", i, v) for i, v in enumerate(row)) + "</tr>" for row in rows]
+    lines.append("</table>")
+    return "\n".join(lines)
+
+
+def _figure(name: str, alt: str) -> str:
+    return f'<p><img src="{html.escape(name)}" alt="{html.escape(alt)}"></p>'
+
+
+def _plan_section(plan: Plan, out: Path) -> list[str]:
+    summary = plan.summary()
+    coverage = schedule_coverage(plan, epoch=0)
+    weight_of = np.zeros(plan.num_clusters)
+    weight_of[plan.labels[plan.selected]] = plan.weights[plan.selected]
+    return [
+        "<h2>Plan</h2>",
+        _table(["", "value"], [
+            ("samples", summary["num_samples"]),
+            ("left out (no response tokens)", summary["num_excluded"]),
+            ("clusters", summary["num_clusters"]),
+            ("kept", f"{summary['num_kept']} ({100 * summary['kept_fraction']:.1f}%)"),
+            ("weights", f"{summary['weight_min']:.3f} .. {summary['weight_max']:.3f}"),
+            ("effective sample size", f"{summary['effective_sample_size']:.1f}"),
+            ("batch", f"world {summary['world_size']} x micro {summary['micro_batch_size']} x accumulation "
+                      f"{summary['gradient_accumulation_steps']} = {summary['global_batch_size']}"),
+            ("steps per epoch", summary["steps_per_epoch"]),
+            ("allocation", summary["allocation"]),
+            ("clusters per global step (epoch 0)",
+             f"min {coverage['clusters_per_step_min']}, mean {coverage['clusters_per_step_mean']:.2f}"),
+            ("clusters per rank and step (epoch 0)",
+             f"min {coverage['clusters_per_rank_step_min']}, mean {coverage['clusters_per_rank_step_mean']:.2f}"),
+            ("plan fingerprint", summary["fingerprint"]),
+        ]),
+        _table(["cluster", "size", "kept", "weight"], [
+            (c, int(plan.cluster_sizes[c]), int(plan.kept_sizes[c]), f"{weight_of[c]:.3f}")
+            for c in range(plan.num_clusters)]),
+        _figure(plot_cluster_sizes(plan, out / "cluster_sizes.png"), "cluster sizes against kept sizes"),
+        _figure(plot_weights(plan, out / "weights.png"), "distribution of sample weights"),
+    ]
+
+
+def _features_section(plan: Plan, features: Optional[np.ndarray], max_points: int, out: Path) -> list[str]:
+    parts = ["<h2>Features</h2>"]
+    included = np.flatnonzero(plan.labels >= 0)
+    if features is not None and included.size >= 2:
+        rows, coords, explained = pca_projection(features, included, max_points=max_points, seed=plan.seed)
+        parts.append(_figure(plot_projection(plan, rows, coords, explained, out / "projection.png"),
+                             "2-D projection of the features coloured by cluster"))
+    else:
+        parts.append('<p class="note">No features in the analysis (labels only): no projection.</p>')
+    return parts
+
+
+def _categories_section(plan: Plan, categories: Optional[Sequence[str]], out: Path) -> list[str]:
+    parts = ["<h2>Clusters and categories</h2>"]
+    if categories is None or len(categories) != plan.num_samples or not any(categories):
+        parts.append('<p class="note">The data has no category (or family) column: no cluster-versus-category table.</p>')
+        return parts
+    names, category_counts_, purity_value = cluster_category_counts(plan.labels, categories, plan.num_clusters)
+    parts.append(f"<p>Purity {purity_value:.3f}: the share of samples in their cluster's most common category.</p>")
+    parts.append(_figure(plot_category_heatmap(names, category_counts_, purity_value, out / "categories.png"),
+                         "heat map of clusters against categories"))
+    majority = [names[int(row.argmax())] if row.sum() else "" for row in category_counts_]
+    parts.append(_table(["cluster", "majority", *names],
+                        [(c, majority[c], *category_counts_[c].tolist()) for c in range(plan.num_clusters)], names=2))
+    return parts
+
+
+def write_report(
+    out_dir: Union[str, Path],
+    plan: Plan,
+    *,
+    features: Optional[np.ndarray] = None,
+    categories: Optional[Sequence[str]] = None,
+    title: str = "ds_cluster plan report",
+    sources: Optional[dict[str, str]] = None,
+    max_projection_points: int = 4000,
+) -> Path:
+    """Write `out_dir/index.html` and its PNG plots for a plan; returns the HTML's path.
+
+    features: the analysis's (N, d) features, for the 2-D projection (skipped when None);
+    categories: a category per sample (N; a task family, say), for the cluster-versus-category table
+    (skipped when None); sources: name -> value lines shown at the top (config, analysis...).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = [f"<h1>{html.escape(title)}</h1>"]
+    if sources:
+        parts.append(_table(["input", "value"], sorted(sources.items()), names=2))
+    parts += _plan_section(plan, out)
+    parts.append("<h2>Schedule: samples of each cluster per rank and step</h2>")
+    parts.append(_figure(plot_rank_step_heatmap(cluster_counts_per_rank_step(plan, epoch=0),
+                                                out / "rank_step_heatmap.png"),
+                         "heat map of cluster counts per rank per step"))
+    parts += _features_section(plan, features, max_projection_points, out)
+    parts += _categories_section(plan, categories, out)
+    document = ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+                f"<title>{html.escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
+                + "\n".join(parts) + "\n</body>\n</html>\n")
+    index = out / "index.html"
+    write_text_atomic(index, document)
+    logger.info("report written to %s", index)
+    return index
