@@ -17,3 +17,29 @@ os.environ["DS_ACCELERATOR"] = "cpu"
 def small_job(tmp_path_factory) -> Path:
     """A 480-sample slice of the shipped data and a hand-made analysis, built once per test session."""
     return make_small_job(tmp_path_factory.mktemp("small_job"))
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_run(small_job, tmp_path_factory):
+    """The uninterrupted 8-step fine-tune of the small job under the deepspeed launcher, fp32, per ZeRO stage:
+    started once per session and read by every test that checks or compares against it (the launcher
+    matrix, exact resume, resume after a SIGKILL). `uninterrupted_run(stage)` gives its output folder;
+    `shm_left.json` there lists the DeepSpeed shm buffers the job left in /dev/shm (none expected)."""
+    import json
+
+    from tests.launching import check, run_deepspeed, shm_buffers
+    from tests.training import SHARED_RUN_STEPS, train_args
+
+    runs: dict[int, Path] = {}
+
+    def run(stage: int) -> Path:
+        if stage not in runs:
+            out = tmp_path_factory.mktemp(f"deepspeed_zero{stage}_fp32")
+            before = shm_buffers()
+            check(run_deepspeed(train_args(small_job, f"zero{stage}.json", out, "--max-steps", str(SHARED_RUN_STEPS)),
+                                timeout=300))
+            (out / "shm_left.json").write_text(json.dumps(sorted(str(path) for path in shm_buffers() - before)))
+            runs[stage] = out
+        return runs[stage]
+
+    return run

@@ -158,7 +158,7 @@ def test_sharded_clustering_on_two_ranks_equals_one_process(inputs, tmp_path):
         return [*ANALYZE, "--deepspeed", str(path), "--model", inputs["model"], "--data", str(inputs["data"]),
                 "--out", str(out), "--shard-size", "16", "--no-progress"]
 
-    check(run_deepspeed(args(tmp_path / "two"), timeout=240))
+    check(run_mpirun(args(tmp_path / "two"), timeout=240))
     check(run_single(args(tmp_path / "one"), timeout=240))
     two, one = tmp_path / "two", tmp_path / "one"
     assert not (two / "features.npy").exists()  # the N x d matrix never came together

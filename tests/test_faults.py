@@ -20,9 +20,9 @@ import pytest
 from ds_cluster.analysis.folder import AnalysisDir
 from ds_cluster.data.dataset import read_jsonl, write_jsonl
 from ds_cluster.planning.plan import Plan
-from tests.launching import REPO, check, run_deepspeed
+from tests.launching import REPO, check, run_deepspeed, run_mpirun
 from tests.test_bad_inputs import assert_failed_on_every_rank, snapshot
-from tests.training import read_trace, train_args
+from tests.training import SHARED_RUN_STEPS, read_trace, train_args
 from tests.workers.fault_worker import KILL_AFTER_SHARD_VAR, KILL_AFTER_STEP_VAR, KILL_RANK_VAR, RANK_ARGS_VAR
 
 WORKER = str(REPO / "tests" / "workers" / "fault_worker.py")
@@ -36,20 +36,22 @@ def worker_args(small_job: Path, out: Path, *extra: str) -> list[str]:  # noqa: 
     return [WORKER, *args[2:]]  # in place of `-m ds_cluster.train`
 
 
-def _timed(args: list[str], **options: Any) -> tuple[subprocess.CompletedProcess, float]:
+def _timed(args: list[str], launcher=run_mpirun, **options: Any) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
-    result = run_deepspeed(args, **options)
+    result = launcher(args, **options)
     return result, time.monotonic() - started
 
 
 # ------------------------------------------------------------------------------------------ SIGKILL, then resume
 @pytest.mark.integration
-def test_rank_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(small_job, tmp_path):  # noqa: F811
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    check(run_deepspeed(train_args(small_job, "zero2.json", whole, "--max-steps", "6"), timeout=300))
+def test_rank_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(small_job, tmp_path,  # noqa: F811
+                                                                          uninterrupted_run):
+    # The uninterrupted run is the session's shared one (ZeRO-2, the deepspeed launcher).
+    whole, parts, steps = uninterrupted_run(2), tmp_path / "parts", ("--max-steps", str(SHARED_RUN_STEPS))
 
-    # Rank 1 dies (SIGKILL) right after optimizer step 3; the last checkpoint is step 2's.
-    killed, elapsed = _timed(worker_args(small_job, parts, "--max-steps", "6", "--save-every", "2"),
+    # Rank 1 dies (SIGKILL) right after optimizer step 3; the last checkpoint is step 2's. The deepspeed launcher
+    # must then end the other rank.
+    killed, elapsed = _timed(worker_args(small_job, parts, *steps, "--save-every", "2"), launcher=run_deepspeed,
                              timeout=300, env_extra={KILL_AFTER_STEP_VAR: "3"})
     assert killed.returncode != 0, killed.stdout[-3000:]
     assert elapsed < 120, f"the surviving rank was left running for {elapsed:.0f} s"
@@ -59,8 +61,9 @@ def test_rank_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(small_j
     lines_before = {rank: len(read_trace(parts, rank)) for rank in range(2)}
     assert all(count >= micro_steps_saved for count in lines_before.values()), lines_before
 
-    check(run_deepspeed(train_args(small_job, "zero2.json", parts, "--max-steps", "6", "--save-every", "2",
-                                   "--resume"), timeout=300))
+    # Relaunched (through mpirun: the checkpoint, not the launcher, carries the sequence).
+    check(run_mpirun(train_args(small_job, "zero2.json", parts, *steps, "--save-every", "2", "--resume"),
+                     timeout=300))
     for rank in range(2):
         expected, trace = read_trace(whole, rank), read_trace(parts, rank)
         # What the checkpoint holds, then what the resumed run appended (the killed run's extra micro-steps,
@@ -189,14 +192,14 @@ def test_selection_in_the_training_job_resumes_after_a_kill_and_is_reused(small_
         return args
 
     # Rank 0 dies right after its first finished shard (the small job is one shard of 512 samples).
-    killed, _ = _timed([WORKER, *job(tmp_path / "killed")[2:]], timeout=300,
+    killed, _ = _timed([WORKER, *job(tmp_path / "killed")[2:]], launcher=run_deepspeed, timeout=300,
                        env_extra={KILL_AFTER_SHARD_VAR: "1", KILL_RANK_VAR: "0"})
     assert killed.returncode != 0
     store_markers = sorted((analysis / ".feature_store" / "shards").glob("*.done.json"))
     assert store_markers, "no shard was finished before the kill"
     assert not (analysis / "features.npy").exists()
 
-    check(run_deepspeed(job(tmp_path / "first"), timeout=300))
+    check(run_mpirun(job(tmp_path / "first"), timeout=300))
     summary = json.loads((tmp_path / "first" / "summary_rank0.json").read_text())
     analysis_summary = json.loads((analysis / "summary.json").read_text())
     assert summary["analysis_timings"]["wall"] > 0 and summary["analysis_timings"]["extract"] > 0
@@ -204,6 +207,6 @@ def test_selection_in_the_training_job_resumes_after_a_kill_and_is_reused(small_
     assert analysis_summary["reused_shards"] == [0] and analysis_summary["computed_shards"] == []
     assert Plan.load(tmp_path / "first" / "plan").num_kept < Plan.load(tmp_path / "first" / "plan").num_samples
 
-    check(run_deepspeed(job(tmp_path / "second"), timeout=300))
+    check(run_mpirun(job(tmp_path / "second"), timeout=300))
     assert json.loads((tmp_path / "second" / "summary_rank0.json").read_text())["analysis_timings"] == {}
     assert Plan.load(tmp_path / "second" / "plan").fingerprint() == Plan.load(tmp_path / "first" / "plan").fingerprint()

@@ -13,7 +13,7 @@ from ds_cluster.data.dataset import IGNORE_INDEX, InstructionDataset, read_jsonl
 from ds_cluster.features.feature_model import feature_dataset
 from ds_cluster.data.models import load_model_and_tokenizer
 from bench.toy.models import base_model_path
-from tests.launching import REPO, check, run_deepspeed, shm_buffers
+from tests.launching import REPO, check, run_mpirun, shm_buffers
 from tests.training import TRAIN, assert_run_follows_plan
 
 STORIES = REPO / "bench" / "real" / "stories260k"
@@ -74,9 +74,9 @@ def test_a_feature_model_makes_the_features_and_the_plan_trains_another_model(sm
         allocation="stratified", feature_model=str(STORIES), feature_max_length=128)
     (tmp_path / "ds_config.json").write_text(json.dumps(config))
     before = shm_buffers()
-    check(run_deepspeed([*TRAIN, "--deepspeed", str(tmp_path / "ds_config.json"), "--model",
-                         str(small_job / "model"), "--data", str(small_job / "train.jsonl"), "--output-dir",
-                         str(tmp_path / "out"), "--max-length", "64", "--trace", "--max-steps", "3"], timeout=300))
+    check(run_mpirun([*TRAIN, "--deepspeed", str(tmp_path / "ds_config.json"), "--model",
+                      str(small_job / "model"), "--data", str(small_job / "train.jsonl"), "--output-dir",
+                      str(tmp_path / "out"), "--max-length", "64", "--trace", "--max-steps", "3"], timeout=300))
     manifest = json.loads((analysis / "manifest.json").read_text())
     assert manifest["feature_model"] == str(STORIES) and manifest["zero_stage"] == 3
     # stories260K's hidden size, not the trained model's (128): the features are the feature model's.

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.launching import check, run_deepspeed, run_single
+from tests.launching import check, run_mpirun, run_single
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +22,7 @@ def _load(out, kind: str, rank: int = 0):
 def zero3_run(tmp_path_factory):
     """One uninterrupted 2-rank ZeRO-3 run with a store, both kinds."""
     root = tmp_path_factory.mktemp("zero3")
-    check(run_deepspeed([WORKER, "--zero", "3", "--out", str(root / "out"), "--store", str(root / "store")],
+    check(run_mpirun([WORKER, "--zero", "3", "--out", str(root / "out"), "--store", str(root / "store")],
                         timeout=240))
     return root / "out"
 
@@ -46,14 +46,14 @@ def test_killed_run_resumes_only_unfinished_shards(zero3_run, tmp_path):
     store, kind = tmp_path / "store", "proxy"
     shards = store / kind / "shards"
     # 40 samples in shards of 8: rank 0 gets shards 0, 2, 4 and rank 1 gets 1, 3; rank 1 dies after its first.
-    killed = run_deepspeed([WORKER, "--zero", "3", "--kinds", kind, "--store", str(store), "--out",
+    killed = run_mpirun([WORKER, "--zero", "3", "--kinds", kind, "--store", str(store), "--out",
                             str(tmp_path / "killed"), "--kill-after", "1"], timeout=180)
     assert killed.returncode != 0, killed.stdout[-3000:]
     finished_before = {json.loads(path.read_text())["shard"] for path in shards.glob("*.done.json")}
     assert 1 in finished_before and 3 not in finished_before, finished_before
     run_ids_before = {path.name: json.loads(path.read_text())["run_id"] for path in shards.glob("*.done.json")}
 
-    check(run_deepspeed([WORKER, "--zero", "3", "--kinds", kind, "--store", str(store), "--out",
+    check(run_mpirun([WORKER, "--zero", "3", "--kinds", kind, "--store", str(store), "--out",
                          str(tmp_path / "resumed")], timeout=180))
     resumed = _load(tmp_path / "resumed", kind)
     assert sorted(resumed["computed"].tolist()) == sorted(set(range(5)) - finished_before)

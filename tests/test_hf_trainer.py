@@ -8,8 +8,8 @@ import pytest
 
 from ds_cluster import ClusterSamplingConfig, Plan, build_plan
 from ds_cluster.analysis.folder import AnalysisDir
-from ds_cluster.integrations.hf import SAMPLER_STATE_FILE
-from tests.launching import REPO, check, run_deepspeed, shm_buffers
+from ds_cluster.integrations.hf import SAMPLER_STATE_FILE, ClusterTrainer
+from tests.launching import REPO, check, run_deepspeed, run_mpirun, shm_buffers
 from tests.training import (TRAIN, assert_step_is_the_reference_gradient, assert_trainer_follows_plan,
                             read_trace, write_gradient_job)
 
@@ -76,9 +76,9 @@ def test_the_hook_and_cluster_trainer_train_on_the_same_sequence(uninterrupted_r
                                                                  trainer_config: Path, tmp_path: Path):
     """The same 2-rank job through the DeepSpeed hook (python -m ds_cluster.train) and through ClusterTrainer:
     one set-up (integrations/setup.py), so the same samples on every rank, micro-batch by micro-batch."""
-    check(run_deepspeed([*TRAIN, "--deepspeed", str(trainer_config), "--model", str(small_job / "model"),
-                         "--data", str(small_job / "train.jsonl"), "--output-dir", str(tmp_path), "--max-length",
-                         "64", "--trace", "--max-steps", str(MAX_STEPS), "--epochs", "3"], nproc=WORLD, timeout=300))
+    check(run_mpirun([*TRAIN, "--deepspeed", str(trainer_config), "--model", str(small_job / "model"),
+                      "--data", str(small_job / "train.jsonl"), "--output-dir", str(tmp_path), "--max-length",
+                      "64", "--trace", "--max-steps", str(MAX_STEPS), "--epochs", "3"], nproc=WORLD, timeout=300))
     for rank in range(WORLD):
         hook = [record["indices"] for record in read_trace(tmp_path, rank)]
         trainer = [record["indices"] for record in read_trace(uninterrupted_run, rank)]
@@ -143,14 +143,46 @@ def test_one_process_loader_follows_the_plan_and_refuses_a_checkpoint_of_another
         trainer.get_train_dataloader()
 
 
+@pytest.fixture(scope="module")
+def trainer_gradient_jobs(tmp_path_factory) -> dict:
+    """ClusterTrainer's one step per loss reduction, both in one 2-rank launch (hf_grad_worker.py)."""
+    roots = {reduction: tmp_path_factory.mktemp(f"hf_grad_{reduction}") for reduction in ("sample", "token")}
+    for reduction, root in roots.items():
+        write_gradient_job(root, reduction)
+    outs = [arg for root in roots.values() for arg in ("--out", str(root))]
+    check(run_deepspeed([str(REPO / "tests" / "workers" / "hf_grad_worker.py"), *outs], timeout=300))
+    return roots
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("reduction", ["sample", "token"])
-def test_trainer_step_is_the_hooks_gradient(tmp_path, reduction):
+def test_trainer_step_is_the_hooks_gradient(trainer_gradient_jobs, reduction):
     """ClusterTrainer's one SGD step over the whole kept subset (2 ranks x micro 2 x 3 accumulation steps)
     equals the gradient by hand that the DeepSpeed hook's step is checked against in tests/test_hook.py
     (same model, data, block and DeepSpeed config), for both loss reductions: the Trainer's own scaling by
     the accumulation steps and DeepSpeed's agree."""
-    write_gradient_job(tmp_path, reduction)
-    check(run_deepspeed([str(REPO / "tests" / "workers" / "hf_grad_worker.py"), "--out", str(tmp_path)],
-                        timeout=300))
-    assert_step_is_the_reference_gradient(tmp_path, reduction)
+    assert_step_is_the_reference_gradient(trainer_gradient_jobs[reduction], reduction)
+
+
+def test_a_data_parallel_group_smaller_than_the_world_is_refused_with_a_clear_error(small_job: Path,  # noqa: F811
+                                                                                   tmp_path: Path):
+    """The Trainer's adapter deals the plan over every rank; sequence parallelism (here the DeepSpeed config's
+    sequence_parallel_size) would make the data-parallel group smaller than the world: refused by name, before
+    any plan is built (the hook, with an mpu, plans over the mpu's data-parallel group instead)."""
+    from transformers import TrainingArguments
+
+    from ds_cluster.data.dataset import load_instruction_dataset
+    from ds_cluster.data.models import load_model_and_tokenizer
+
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    config["sequence_parallel_size"] = 2
+    config["data_efficiency"]["data_sampling"]["cluster_sampling"]["analysis_path"] = str(small_job / "analysis")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], deepspeed=config,
+                             per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    model, tokenizer = load_model_and_tokenizer(small_job / "model")
+    dataset = load_instruction_dataset(small_job / "train.jsonl", tokenizer, max_length=64)
+    trainer = ClusterTrainer(model=model, args=args, train_dataset=dataset)
+    with pytest.raises(ValueError, match=r"every rank must be a data-parallel rank; this run asks for 2 ranks of "
+                                         r"model, context or sequence parallelism .*sequence_parallel_size"):
+        trainer.get_train_dataloader()
+    assert trainer.plan is None

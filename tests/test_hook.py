@@ -1,4 +1,4 @@
-"""The DeepSpeed hook end to end: real launchers, 2 ranks on CPU, ZeRO 0-3, fp32/bf16, exact resume."""
+"""The DeepSpeed hook end to end: real launchers (deepspeed, mpirun), 2 ranks on CPU, ZeRO 0-3, fp32/bf16, exact resume."""
 from __future__ import annotations
 
 import json
@@ -8,34 +8,47 @@ import numpy as np
 import pytest
 
 from tests.launching import REPO, check, run_deepspeed, run_mpirun, run_single, shm_buffers
-from tests.training import (TRAIN, assert_run_follows_plan, assert_step_is_the_reference_gradient, read_trace,
-                            train_args, write_gradient_job)
+from tests.training import (SHARED_RUN_STEPS, TRAIN, assert_run_follows_plan, assert_step_is_the_reference_gradient,
+                            read_trace, train_args, write_gradient_job)
 
 pytestmark = pytest.mark.integration
 
 
-def _stage_precision_matrix(launcher_offset: int) -> list:
+def _stage_precision_matrix(fp32_from_stage: int) -> list:
     """Every ZeRO stage x precision: half of them by default, the other half marked slow (`-m slow`).
 
-    The two launchers take opposite halves, so the default suite still runs every stage under both
-    launchers, both precisions under both, and every stage with both precisions across the two."""
-    return [pytest.param(stage, precision, marks=() if (stage + index + launcher_offset) % 2 == 0 else pytest.mark.slow)
-            for stage in (0, 1, 2, 3) for index, precision in enumerate(("fp32", "bf16"))]
+    The deepspeed launcher runs fp32 at stages 2 and 3 by default (the session's shared uninterrupted runs,
+    which resume and SIGKILL tests compare against) and bf16 at 0 and 1; mpirun the opposite halves. So the
+    default suite still runs every stage under both launchers, both precisions under both, and every stage
+    with both precisions across the two."""
+    return [pytest.param(stage, precision,
+                         marks=() if (precision == "fp32") == (stage >= fp32_from_stage) else pytest.mark.slow)
+            for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16")]
 
 
-@pytest.mark.parametrize("stage,precision", _stage_precision_matrix(0))
-def test_deepspeed_launcher_trains_on_the_plan(small_job, tmp_path, stage, precision):
-    extra = ["--max-steps", "8"] + (["--bf16"] if precision == "bf16" else [])
+def _bf16_or_own_run(small_job, tmp_path, stage, precision, uninterrupted_run) -> Path:
+    """The shared uninterrupted fp32 run of this stage, else a run of its own (bf16, or fp32 with -m slow)."""
+    if precision == "fp32" and stage >= 2:
+        return uninterrupted_run(stage)
     before = shm_buffers()
-    check(run_deepspeed(train_args(small_job, f"zero{stage}.json", tmp_path, *extra), timeout=300))
-    assert_run_follows_plan(tmp_path)
+    check(run_deepspeed(train_args(small_job, f"zero{stage}.json", tmp_path, "--max-steps", str(SHARED_RUN_STEPS),
+                                   *(["--bf16"] if precision == "bf16" else [])), timeout=300))
+    (tmp_path / "shm_left.json").write_text(json.dumps(sorted(str(path) for path in shm_buffers() - before)))
+    return tmp_path
+
+
+@pytest.mark.parametrize("stage,precision", _stage_precision_matrix(2))
+def test_deepspeed_launcher_trains_on_the_plan(small_job, tmp_path, stage, precision, uninterrupted_run):
+    out = _bf16_or_own_run(small_job, tmp_path, stage, precision, uninterrupted_run)
+    assert_run_follows_plan(out)
     # DeepSpeed's CPU shm all-reduce leaks ~66 MB of /dev/shm per rank and job; ds_cluster unlinks it.
-    assert shm_buffers() - before == set()
+    assert json.loads((out / "shm_left.json").read_text()) == []
 
 
-@pytest.mark.parametrize("stage,precision", _stage_precision_matrix(1))
+@pytest.mark.parametrize("stage,precision", [pytest.param(*p.values, marks=() if p.marks else pytest.mark.slow)
+                                             for p in _stage_precision_matrix(2)])
 def test_mpirun_trains_on_the_plan(small_job, tmp_path, stage, precision):
-    extra = ["--max-steps", "8"] + (["--bf16"] if precision == "bf16" else [])
+    extra = ["--max-steps", str(SHARED_RUN_STEPS)] + (["--bf16"] if precision == "bf16" else [])
     before = shm_buffers()
     check(run_mpirun(train_args(small_job, f"zero{stage}.json", tmp_path, *extra), timeout=300))
     assert_run_follows_plan(tmp_path)
@@ -49,30 +62,39 @@ def test_zero3_offload_config_trains(small_job, tmp_path):
 
 
 # ZeRO-3 by default (its partitioned state is the hardest to resume); ZeRO-2 with -m slow (its resume after a
-# SIGKILL is tests/test_faults.py's).
+# SIGKILL is tests/test_faults.py's). The uninterrupted run is the session's shared one (deepspeed launcher); the
+# interrupted one and its resumption go through mpirun: the checkpoint, not the launcher, carries the sequence.
 @pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
-def test_resume_continues_the_exact_sequence(small_job, tmp_path, stage):
-    config = f"zero{stage}.json"
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    check(run_deepspeed(train_args(small_job, config, whole, "--max-steps", "6"), timeout=300))
-    check(run_deepspeed(train_args(small_job, config, parts, "--max-steps", "6", "--test-stop-after", "3"), timeout=300))
-    check(run_deepspeed(train_args(small_job, config, parts, "--max-steps", "6", "--resume"), timeout=300))
+def test_resume_continues_the_exact_sequence(small_job, tmp_path, stage, uninterrupted_run):
+    config, steps = f"zero{stage}.json", ("--max-steps", str(SHARED_RUN_STEPS))
+    whole, parts = uninterrupted_run(stage), tmp_path / "parts"
+    check(run_mpirun(train_args(small_job, config, parts, *steps, "--test-stop-after", "3"), timeout=300))
+    check(run_mpirun(train_args(small_job, config, parts, *steps, "--resume"), timeout=300))
     for rank in range(2):
         expected, resumed = read_trace(whole, rank), read_trace(parts, rank)
         assert [r["indices"] for r in resumed] == [r["indices"] for r in expected]
         assert np.allclose([r["loss"] for r in resumed], [r["loss"] for r in expected], rtol=0, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def gradient_jobs(tmp_path_factory) -> dict:
+    """One optimizer step per loss reduction, both in one 2-rank launch (grad_worker.py)."""
+    roots = {reduction: tmp_path_factory.mktemp(f"grad_{reduction}") for reduction in ("sample", "token")}
+    for reduction, root in roots.items():
+        write_gradient_job(root, reduction)
+    outs = [arg for root in roots.values() for arg in ("--out", str(root))]
+    check(run_mpirun([str(REPO / "tests" / "workers" / "grad_worker.py"), *outs], timeout=300))
+    return roots
+
+
 @pytest.mark.parametrize("reduction", ["sample", "token"])
-def test_weighted_loss_gradient_is_the_stratified_full_data_estimate(tmp_path, reduction):
+def test_weighted_loss_gradient_is_the_stratified_full_data_estimate(gradient_jobs, reduction):
     """One step of 2 ranks x 3 accumulation steps = the whole kept subset, against the gradient by hand.
 
     "sample": sum_c (n_c / N) mean over c's kept samples of their mean token loss; "token": the weighted
     token losses summed over the global batch's response tokens, over their number.
     """
-    write_gradient_job(tmp_path, reduction)
-    check(run_deepspeed([str(REPO / "tests" / "workers" / "grad_worker.py"), "--out", str(tmp_path)], timeout=300))
-    assert_step_is_the_reference_gradient(tmp_path, reduction)
+    assert_step_is_the_reference_gradient(gradient_jobs[reduction], reduction)
 
 
 def _failing_run(small_job: Path, tmp_path: Path, mutate) -> str:
@@ -83,7 +105,7 @@ def _failing_run(small_job: Path, tmp_path: Path, mutate) -> str:
     out = tmp_path / "out"
     args = train_args(small_job, "zero2.json", out, "--max-steps", "2")
     args[args.index("--deepspeed") + 1] = str(path)
-    result = run_deepspeed(args, timeout=240)
+    result = run_mpirun(args, timeout=240)
     assert result.returncode != 0
     assert not (out / "checkpoints").exists() and not (out / "trace").exists(), "a failed start wrote files"
     return result.stdout + result.stderr
@@ -112,7 +134,7 @@ def test_analysis_of_other_data_fails_on_every_rank(small_job, tmp_path):
     path.write_text(json.dumps(config))
     args = [*TRAIN, "--deepspeed", str(path), "--model", str(small_job / "model"), "--data", str(small_job / "train.jsonl"),
             "--output-dir", str(tmp_path / "out"), "--max-length", "64"]
-    result = run_deepspeed(args, timeout=240)
+    result = run_mpirun(args, timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert output.count("has 17 rows but the training dataset has") >= 2, output[-3000:]

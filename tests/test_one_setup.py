@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launching import REPO, check, run_deepspeed, shm_buffers
+from tests.launching import REPO, check, run_deepspeed, run_mpirun, shm_buffers
 from tests.training import TRAIN, read_trace
 
 pytestmark = pytest.mark.integration
@@ -37,9 +37,9 @@ def _trainer(job: Path, config: Path, out: Path, max_steps: int = MAX_STEPS):
 
 
 def _hook(job: Path, config: Path, out: Path, max_steps: int = MAX_STEPS):
-    return run_deepspeed([*TRAIN, "--deepspeed", str(config), "--model", str(job / "model"),
-                          "--data", str(job / "train.jsonl"), "--output-dir", str(out), "--max-length", "64",
-                          "--trace", "--max-steps", str(max_steps), "--epochs", "3"], timeout=300)
+    return run_mpirun([*TRAIN, "--deepspeed", str(config), "--model", str(job / "model"),
+                       "--data", str(job / "train.jsonl"), "--output-dir", str(out), "--max-length", "64",
+                       "--trace", "--max-steps", str(max_steps), "--epochs", "3"], timeout=300)
 
 
 def test_cluster_trainer_computes_a_missing_analysis_in_its_job_and_reuses_it(small_job: Path, tmp_path: Path):  # noqa: F811

@@ -15,6 +15,9 @@ from tests.launching import REPO
 
 # What python runs (`python -m ds_cluster.train`); tests/launching.py turns it into the launchers' forms.
 TRAIN = ["-m", "ds_cluster.train"]
+# Optimizer steps of the session's shared uninterrupted runs (conftest.uninterrupted_run) and of the runs
+# compared with them.
+SHARED_RUN_STEPS = 8
 
 
 def make_small_job(root: Path) -> Path:

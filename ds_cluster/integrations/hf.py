@@ -288,10 +288,11 @@ def check_data_parallel_is_the_world(args: Any) -> None:
     sequence_parallel = sequence_parallel if isinstance(sequence_parallel, int) else 1
     if others > 1 or sequence_parallel > 1:
         raise ValueError(
-            f"cluster_sampling with {type(args).__name__} deals the plan over every rank, so every rank must be a "
-            f"data-parallel rank; this run asks for {others * sequence_parallel} ranks of model, context or "
-            "sequence parallelism per data-parallel rank (parallelism_config or the DeepSpeed config's "
-            "sequence_parallel_size). Train without them, or use the DeepSpeed hook (ds_cluster.install()) with "
+            "cluster_sampling with the Hugging Face Trainer (ClusterTrainer, ClusterSFTTrainer) deals the plan over "
+            f"every rank, so every rank must be a data-parallel rank; this run asks for {others * sequence_parallel} "
+            "ranks of model, context or sequence parallelism per data-parallel rank (parallelism_config or the "
+            "DeepSpeed config's sequence_parallel_size). Train without them, or use the DeepSpeed hook "
+            "(ds_cluster.install()) with "
             "an mpu that gives the data-parallel group")
 
 

@@ -9,7 +9,8 @@ library): this wrapper patches around it, driven by environment variables.
     DS_CLUSTER_TEST_RANK_ARGS=JSON      per-rank replacements of the training script's options, e.g.
                                         {"1": {"--data": "other.jsonl"}}: rank 1 gets other data
 
-The rank is read from RANK, which the deepspeed launcher sets before starting the script.
+The rank is read from RANK, which the deepspeed launcher sets before starting the script, else from Open MPI's
+OMPI_COMM_WORLD_RANK under mpirun.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def kill_after_shards(shard_limit: int) -> None:
 
 
 def main() -> int:
-    rank = os.environ.get("RANK", "0")
+    rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     argv = sys.argv[1:]
     per_rank = json.loads(os.environ.get(RANK_ARGS_VAR, "{}"))
     argv = replace_options(argv, per_rank.get(rank, {}))

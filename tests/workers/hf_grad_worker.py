@@ -3,7 +3,8 @@
 Run by tests/test_hf_trainer.py under the deepspeed launcher (2 ranks), on the same model, data and
 cluster block as tests/workers/grad_worker.py runs through the DeepSpeed hook: the global batch is the
 whole kept subset, so parameters before minus after is the gradient, which the test compares with the
-same by-hand estimate the hook is checked against.
+same by-hand estimate the hook is checked against. Each --out folder (one per loss reduction) gets its
+own Trainer, one after the other, in one launch.
 """
 from __future__ import annotations
 
@@ -22,12 +23,8 @@ from ds_cluster.integrations.hf import ClusterTrainer  # noqa: E402
 from tests.workers.feature_fixtures import tiny_llama, token_dataset  # noqa: E402
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--local_rank", type=int, default=-1)
-    args = parser.parse_args()
-    out = Path(args.out)
+def one_step(out: Path) -> None:
+    """One optimizer step of the job in `out`; rank 0 saves out/delta.npz."""
     # Values the Trainer checks against the DeepSpeed config: micro 2, accumulation 3, lr 1, no clipping.
     training_args = TrainingArguments(
         output_dir=str(out / "trainer"), deepspeed=str(out / "ds_config.json"), max_steps=1, save_strategy="no",
@@ -43,6 +40,15 @@ def main() -> None:
         np.savez(out / "delta.npz", **{name: (before[name] - after[name].detach()).numpy() for name in before})
     del trainer
     gc.collect()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, action="append", help="a job folder; repeat for several")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    for out in args.out:
+        one_step(Path(out))
     distributed.shutdown()
 
 
