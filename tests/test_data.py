@@ -205,7 +205,8 @@ def test_instruction_dataset_masks_the_prompt(tokenizer, mixture):
 
 
 def test_trimming_the_shared_padding_keeps_each_samples_loss(tokenizer, mixture):
-    """The training script's collate cuts the columns no row attends to: fewer columns, same per-sample loss."""
+    """The training script's collate cuts the columns no row attends to (to a multiple of 8): fewer columns, same
+    per-sample loss."""
     from ds_cluster.loader.loss import token_loss_sums
     from bench.toy.models import tiny_model
 
@@ -214,8 +215,9 @@ def test_trimming_the_shared_padding_keeps_each_samples_loss(tokenizer, mixture)
     padded = {key: torch.stack([item[key] for item in items]) for key in items[0]}
     trimmed = trim_padding_collate(items)
     longest = int(padded["attention_mask"].sum(dim=1).max())
-    assert trimmed["input_ids"].shape == (6, longest) and longest < padded["input_ids"].shape[1]
-    assert torch.equal(trimmed["labels"], padded["labels"][:, :longest])
+    width = -(-longest // 8) * 8  # rounded up to a multiple of 8 (PAD_MULTIPLE)
+    assert trimmed["input_ids"].shape == (6, width) and width < padded["input_ids"].shape[1]
+    assert torch.equal(trimmed["labels"], padded["labels"][:, :width])
     model = tiny_model(seed=0)[0].eval()
     with torch.no_grad():
         losses = [token_loss_sums(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,

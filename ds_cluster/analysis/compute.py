@@ -70,11 +70,13 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
     clusters = _sharded_clusters(extraction, settings, collectives) if settings.sharded_clustering else None
     # The training config's stage when the caller names it (a forward-only engine runs 1 and 2 as 0).
     stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
+    # Rank 0's forward and feature seconds beside the whole extraction's.
+    timings = {"extract": extracted - started, **{f"extract_{part}": s for part, s in extraction.timings.items()}}
     # Rank 0 clusters and writes; the agreement is also the barrier: the folder is written when it completes.
     collectives.run_agreed(
         "clustering and writing the analysis",
         lambda: _cluster_and_write(folder, extraction, target, target_fingerprint, settings, world_size, store_path,
-                                   timings={"extract": extracted - started}, started=started,
+                                   timings=timings, started=started,
                                    provenance={"zero_stage": stage, **(provenance or {})}, clusters=clusters),
         only_rank=0, errors=(ValueError, OSError, RuntimeError))
     summary = folder.summary()

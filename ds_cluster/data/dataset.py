@@ -163,20 +163,33 @@ class InstructionDataset(Dataset):
                 "labels": self.labels[index]}
 
 
+# Batches are cut to their longest row rounded up to a multiple of this: GPU kernels prefer such widths.
+PAD_MULTIPLE = 8
+
+
 def trim_padding_collate(items: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Stack a micro-batch of token items and cut the trailing columns that no row attends to.
 
     InstructionDataset rows are padded on the right to ``max_length``, mostly with pad: the model then
-    computes only the columns some row of this batch uses. Causal attention and the -100 labels of pad
-    make the trimmed batch's loss that of the padded one (up to float rounding); a
-    left-padded batch keeps its width. At least 2 columns stay for the label shift.
+    computes only the columns some row of this batch uses, rounded up to a multiple of ``PAD_MULTIPLE`` (at
+    most the full width). Causal attention and the -100 labels of pad make the trimmed batch's loss that
+    of the padded one (up to float rounding); a left-padded batch keeps its width. At least 2 columns
+    stay for the label shift. The hook's loader uses it when the training script passes no collate_fn.
     """
     batch = {key: torch.stack([torch.as_tensor(item[key]) for item in items]) for key in items[0]}
-    if "attention_mask" not in batch:
+    return trim_padding(batch)
+
+
+def trim_padding(batch: dict[str, Any]) -> dict[str, Any]:
+    """A collated batch (2-D tensors of one width) cut to its longest attended row, rounded up to PAD_MULTIPLE."""
+    mask = batch.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         return batch  # nothing says which columns are padding
-    used = batch["attention_mask"].bool().any(dim=0).nonzero()
-    width = max(int(used.max()) + 1 if used.numel() else 0, 2)
-    return {key: (value[:, :width] if value.dim() == 2 else value) for key, value in batch.items()}
+    used = mask.bool().any(dim=0).nonzero()
+    last = max(int(used.max()) + 1 if used.numel() else 0, 2)
+    width = min(-(-last // PAD_MULTIPLE) * PAD_MULTIPLE, mask.shape[1])
+    return {key: (value[:, :width] if isinstance(value, torch.Tensor) and value.dim() == 2
+                  and value.shape[1] == mask.shape[1] else value) for key, value in batch.items()}
 
 
 def dataset_fingerprint(dataset: Any) -> str:

@@ -23,12 +23,13 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ds_cluster.data.dataset import IGNORE_INDEX, dataset_fingerprint
+from ds_cluster.data.dataset import IGNORE_INDEX, dataset_fingerprint, trim_padding
 from ds_cluster.collectives import LOCAL, Collectives
 from ds_cluster.features.kinds import FeatureKind, feature_kind
 from ds_cluster.features.model_info import find_output_layer, model_fingerprint, output_layer_shape, unwrap_model
 from ds_cluster.features.projection import KroneckerProjection
-from ds_cluster.features.store import DEFAULT_SHARD_SIZE, FeatureStore, StoreManifest
+from ds_cluster.features.store import (BATCHING_BY_LENGTH, BATCHING_FULL_WIDTH, DEFAULT_SHARD_SIZE, FeatureStore,
+                                      StoreManifest)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class ExtractionResult:
     computed_shards: list[int] = field(default_factory=list)  # computed by this call, all ranks
     reused_shards: list[int] = field(default_factory=list)  # read back from the store
     seconds: float = 0.0
+    # This rank's seconds in the engine's forward passes and in the features computed from their output.
+    timings: dict[str, float] = field(default_factory=dict)
     manifest: Optional[StoreManifest] = None
     rows: Optional[np.ndarray] = None  # sharded results: the global indices of `features`' rows
 
@@ -95,12 +98,31 @@ def normalize_rows(rows: torch.Tensor) -> torch.Tensor:
     return torch.where(norms > 0, rows / norms.clamp_min(torch.finfo(rows.dtype).tiny), torch.zeros_like(rows))
 
 
-def _collate(dataset: Sequence[dict], indices: range) -> dict[str, torch.Tensor]:
-    # The rows keep the dataset's full width: trimming padding per batch would make a sample's features
-    # depend (in the last bits) on its batch neighbours, and a resumed store must match an uninterrupted one.
-    items = [dataset[index] for index in indices]
-    return {key: torch.stack([torch.as_tensor(item[key]) for item in items])
-            for key in ("input_ids", "attention_mask", "labels")}
+def _collate(dataset: Sequence[dict], indices: Sequence[int], trim: bool = True) -> dict[str, torch.Tensor]:
+    """A batch of the samples `indices`, cut to its longest row (`trim_padding`) when `trim`.
+
+    Under causal attention no real position sees the padding on its right, so a row's features do not
+    depend on the width but in the last bits of float rounding; a sample's batch is fixed in advance
+    (`_batches_of`), so a resumed store matches an uninterrupted one exactly.
+    """
+    items = [dataset[int(index)] for index in indices]
+    batch = {key: torch.stack([torch.as_tensor(item[key]) for item in items])
+             for key in ("input_ids", "attention_mask", "labels")}
+    return trim_padding(batch) if trim else batch
+
+
+def sample_lengths(dataset: Sequence[dict]) -> np.ndarray:
+    """Each sample's width up to its last attended position: int64 (N,). Read from the dataset's own
+    `attention_mask` tensor when it has one (InstructionDataset), else item by item."""
+    mask = getattr(dataset, "attention_mask", None)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == len(dataset):
+        positions = torch.arange(1, mask.shape[1] + 1)
+        return (mask.bool() * positions).max(dim=1).values.numpy().astype(np.int64)
+    lengths = np.zeros(len(dataset), dtype=np.int64)
+    for index in range(len(dataset)):
+        attended = torch.as_tensor(dataset[index]["attention_mask"]).nonzero()
+        lengths[index] = int(attended.max()) + 1 if attended.numel() else 0
+    return lengths
 
 
 class _OutputLayerInput:
@@ -133,8 +155,12 @@ def _full_weight(layer: torch.nn.Module) -> Iterator[tuple[torch.Tensor, Optiona
 
 def _batch_rows(engine: Any, model: torch.nn.Module, layer: torch.nn.Module, capture: _OutputLayerInput,
                 batch: dict[str, torch.Tensor], kind: FeatureKind, projection: Optional[KroneckerProjection],
-                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward one batch through the engine, then the features of its samples (collective under ZeRO-3)."""
+                chunk_size: int, timings: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward one batch through the engine, then the features of its samples (collective under ZeRO-3).
+
+    `timings` gains the seconds of the forward ("forward") and of the features from its output ("features").
+    """
+    started = time.perf_counter()
     device = _device_of(engine, model)
     kwargs: dict[str, Any] = {"input_ids": batch["input_ids"].to(device),
                               "attention_mask": batch["attention_mask"].to(device)}
@@ -145,12 +171,19 @@ def _batch_rows(engine: Any, model: torch.nn.Module, layer: torch.nn.Module, cap
     if capture.value is None:
         raise RuntimeError("the output layer was not called during the forward pass; cannot read its input")
     hidden = capture.value
+    forwarded = time.perf_counter()
     with _full_weight(layer) as (weight, bias):
-        def logits_at(samples: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.linear(hidden[samples, positions].float(), weight.float(),
-                                              None if bias is None else bias.float())
+        # The logits of the response positions in float32, whatever the engine's precision: the softmax of a
+        # large vocabulary is where bf16 would lose the most.
+        weight32, bias32 = weight.float(), None if bias is None else bias.float()
 
-        return batch_features(hidden, batch["labels"], logits_at, kind, projection, chunk_size)
+        def logits_at(samples: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(hidden[samples, positions].float(), weight32, bias32)
+
+        rows = batch_features(hidden, batch["labels"], logits_at, kind, projection, chunk_size)
+    timings["forward"] = timings.get("forward", 0.0) + forwarded - started
+    timings["features"] = timings.get("features", 0.0) + time.perf_counter() - forwarded
+    return rows
 
 
 def _device_of(engine: Any, model: torch.nn.Module) -> torch.device:
@@ -161,12 +194,18 @@ def _device_of(engine: Any, model: torch.nn.Module) -> torch.device:
 
 
 # --------------------------------------------------------------------------- the whole dataset
-def _batches_of(shards: Sequence[int], bounds: Callable[[int], tuple[int, int]], batch_size: int) -> list[tuple[int, range]]:
-    """(shard, indices) batches; batches never cross a shard, so a shard is done after its last batch."""
+def _batches_of(shards: Sequence[int], bounds: Callable[[int], tuple[int, int]], batch_size: int,
+                lengths: Optional[np.ndarray]) -> list[tuple[int, np.ndarray]]:
+    """(shard, sample indices) batches, fixed in advance: a shard's samples in order of length (ties by index),
+    cut every `batch_size`, so samples of similar length share a batch and little is padded. Batches never
+    cross a shard, so a shard is done after its batches. `lengths` None: index order (full-width batches)."""
     batches = []
     for shard in shards:
         start, stop = bounds(shard)
-        batches += [(shard, range(first, min(stop, first + batch_size))) for first in range(start, stop, batch_size)]
+        members = np.arange(start, stop, dtype=np.int64)
+        if lengths is not None:
+            members = members[np.argsort(lengths[start:stop], kind="stable")]
+        batches += [(shard, members[first:first + batch_size]) for first in range(0, members.size, batch_size)]
     return batches
 
 
@@ -188,25 +227,19 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
                    normalize: bool = True, show_progress: bool = True, shard_size: int = DEFAULT_SHARD_SIZE,
                    overwrite: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, sharded: bool = False,
                    on_shard_done: Optional[Callable[[int], None]] = None,
-                   collectives: Collectives = LOCAL, fingerprint: Optional[str] = None) -> ExtractionResult:
+                   collectives: Collectives = LOCAL, fingerprint: Optional[str] = None,
+                   pad_to_longest: bool = True) -> ExtractionResult:
     """extract_features with everything it found out: empty mask, shards computed and reused, timing.
 
-    Collective: call on every rank with the same arguments. `chunk_size`
-    response positions share one softmax over the vocabulary (the bound on
-    extra memory). `on_shard_done(shard)` is called after each shard this
-    rank finished (tests use it to crash mid-run). `sharded`: every rank keeps
-    only its own store shards (shard s on rank s mod W), never all N x d.
-    `collectives`: this rank among the ranks sharing the work (`LOCAL` for
-    one process; `ds_cluster.distributed.collectives()` in a job).
-    `fingerprint`: the dataset's `dataset_fingerprint`, when the caller has it.
+    Collective: call on every rank with the same arguments. `chunk_size` response positions share one softmax
+    over the vocabulary (the bound on extra memory). `on_shard_done(shard)` is called after each shard this
+    rank finished (tests crash there). `sharded`: every rank keeps only its own store shards (s mod W).
+    `collectives`: this rank among the ranks sharing the work (`LOCAL`, or `distributed.collectives()`).
+    `fingerprint`: the dataset's, when the caller has it. `pad_to_longest`: batches of similar length padded
+    to their longest row (default); False: full width in index order (before 0.4.0, for measuring).
     """
     kind_object = feature_kind(kind)
-    if batch_size < 1 or shard_size < 1:
-        raise ValueError(f"batch_size and shard_size must be >= 1, got {batch_size} and {shard_size}")
-    if len(dataset) == 0:
-        raise ValueError("the dataset is empty: nothing to extract features from")
-    if sharded and store is None:
-        raise ValueError("sharded extraction keeps the rows in a feature store: pass store")
+    _check_arguments(dataset, batch_size, shard_size, sharded, store)
     started = time.perf_counter()
     model = unwrap_model(engine)
     layer = find_output_layer(model)
@@ -218,16 +251,19 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
     fingerprint = (fingerprint or dataset_fingerprint(dataset)) if feature_store else ""
     manifest = StoreManifest(kind=kind, dim=dim, seed=seed, normalize=normalize,
                              model_fingerprint=model_fingerprint(engine, collectives) if feature_store else "",
-                             dataset_fingerprint=fingerprint, num_samples=len(dataset), shard_size=shard_size)
+                             dataset_fingerprint=fingerprint, num_samples=len(dataset), shard_size=shard_size,
+                             batching=BATCHING_BY_LENGTH if pad_to_longest else BATCHING_FULL_WIDTH)
     pending = (_prepare_store(feature_store, manifest, overwrite, collectives) if feature_store is not None
                else list(range(manifest.num_shards)))
 
+    timings: dict[str, float] = {}
+
     def rows_of(batch: dict[str, torch.Tensor], capture: _OutputLayerInput) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, empty = _batch_rows(engine, model, layer, capture, batch, kind_object, projection, chunk_size)
+        rows, empty = _batch_rows(engine, model, layer, capture, batch, kind_object, projection, chunk_size, timings)
         return (normalize_rows(rows) if normalize else rows), empty
 
     computed = _compute_shards(model, layer, dataset, manifest, pending, batch_size, rows_of, feature_store,
-                               show_progress, on_shard_done, collectives)
+                               show_progress, on_shard_done, collectives, pad_to_longest)
     rows = None
     if sharded:
         collectives.barrier()  # every rank has written its shards
@@ -241,8 +277,17 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
     return ExtractionResult(features=features, empty_mask=empty_mask, kind=kind, dim=dim,
                             computed_shards=computed_shards,
                             reused_shards=sorted(set(range(manifest.num_shards)) - set(pending)),
-                            seconds=time.perf_counter() - started,
+                            seconds=time.perf_counter() - started, timings=timings,
                             manifest=manifest if feature_store is not None else None, rows=rows)
+
+
+def _check_arguments(dataset: Sequence[dict], batch_size: int, shard_size: int, sharded: bool, store: Any) -> None:
+    if batch_size < 1 or shard_size < 1:
+        raise ValueError(f"batch_size and shard_size must be >= 1, got {batch_size} and {shard_size}")
+    if len(dataset) == 0:
+        raise ValueError("the dataset is empty: nothing to extract features from")
+    if sharded and store is None:
+        raise ValueError("sharded extraction keeps the rows in a feature store: pass store")
 
 
 def _own_shards(manifest: StoreManifest, store: FeatureStore, collectives: Collectives
@@ -263,17 +308,21 @@ def _own_shards(manifest: StoreManifest, store: FeatureStore, collectives: Colle
 def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Sequence[dict],
                     manifest: StoreManifest, pending: list[int], batch_size: int, rows_of: Callable,
                     feature_store: Optional[FeatureStore], show_progress: bool,
-                    on_shard_done: Optional[Callable[[int], None]], collectives: Collectives
+                    on_shard_done: Optional[Callable[[int], None]], collectives: Collectives, trim: bool
                     ) -> dict[int, tuple[np.ndarray, list[int]]]:
-    """This rank's share of the pending shards, written to the store as each one completes."""
+    """This rank's share of the pending shards, written to the store as each one completes. Long because the
+    lockstep loop, the per-shard bookkeeping and the store writes are one sequence."""
     rank, world_size = collectives.rank, collectives.world_size
     run_id = collectives.gather(uuid.uuid4().hex)[0]
     # Shards are dealt round-robin; every rank runs as many forwards as the busiest one.
-    shares = [_batches_of(pending[r::world_size], manifest.shard_bounds, batch_size) for r in range(world_size)]
+    lengths = sample_lengths(dataset) if trim else None
+    shares = [_batches_of(pending[r::world_size], manifest.shard_bounds, batch_size, lengths)
+              for r in range(world_size)]
     mine = shares[rank]
-    dummy = _collate(dataset, range(0, 1))
+    batches_left = {shard: sum(1 for s, _ in mine if s == shard) for shard, _ in mine}
+    dummy = _collate(dataset, [0], trim)
     computed: dict[int, tuple[np.ndarray, list[int]]] = {}
-    partial: dict[int, list[tuple[range, torch.Tensor, torch.Tensor]]] = {}
+    partial: dict[int, list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]] = {}
     shard_started: dict[int, float] = {}
     progress = _progress_bar(sum(len(indices) for _, indices in mine), show_progress and rank == 0,
                              manifest.kind)
@@ -288,10 +337,11 @@ def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Seq
                     continue
                 shard, indices = mine[step]
                 shard_started.setdefault(shard, time.perf_counter())
-                rows, empty = rows_of(_collate(dataset, indices), capture)
+                rows, empty = rows_of(_collate(dataset, indices, trim), capture)
                 partial.setdefault(shard, []).append((indices, rows.cpu(), empty.cpu()))
                 progress.update(len(indices))
-                if indices.stop == manifest.shard_bounds(shard)[1]:
+                batches_left[shard] -= 1
+                if batches_left[shard] == 0:
                     rows_np, empty_idx = _join(partial.pop(shard))
                     if feature_store is not None:
                         feature_store.write_shard(manifest, shard, rows_np, empty_idx, rank, run_id,
@@ -332,9 +382,12 @@ def extract_features(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Op
                           normalize=normalize, show_progress=show_progress, **options).features
 
 
-def _join(parts: list[tuple[range, torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, list[int]]:
-    rows = torch.cat([part[1] for part in parts]).numpy().astype(np.float32, copy=False)
-    empty = [index for indices, _, flags in parts for index, flag in zip(indices, flags.tolist()) if flag]
+def _join(parts: list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, list[int]]:
+    """A shard's rows in index order from its batches (which come in order of length), and its empty samples."""
+    indices = np.concatenate([part[0] for part in parts])
+    rows = torch.cat([part[1] for part in parts]).numpy().astype(np.float32, copy=False)[np.argsort(indices)]
+    empty = sorted(int(index) for indices_, _, flags in parts for index, flag in zip(indices_, flags.tolist())
+                   if flag)
     return rows, empty
 
 

@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 STORE_FORMAT_VERSION = 1
 DEFAULT_SHARD_SIZE = 512
+# How a shard's samples are batched: in order of length, each batch padded to its longest row (0.4.0 on), or in
+# index order at the dataset's full width (before; a store without the field). Rows differ in the last bits.
+BATCHING_BY_LENGTH = "by_length_padded_to_longest"
+BATCHING_FULL_WIDTH = "full_width"
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class StoreManifest:
     dataset_fingerprint: str
     num_samples: int
     shard_size: int
+    batching: str = BATCHING_FULL_WIDTH
     format_version: int = STORE_FORMAT_VERSION
 
     @property

@@ -41,6 +41,7 @@ from transformers.utils import is_datasets_available
 from ds_cluster import distributed
 from ds_cluster.batching import BatchShape
 from ds_cluster.config import ClusterSamplingConfig
+from ds_cluster.data.dataset import trim_padding
 from ds_cluster.fileio import write_json_atomic
 from ds_cluster.integrations.setup import ClusterSetup, TrainerAdapter
 from ds_cluster.loader.loss import LOSS_NORMALIZER, weighted_causal_lm_loss
@@ -212,6 +213,10 @@ class ClusterSamplingMixin:
             # Trainer's column filter knows nothing of sample_index/sample_weight: apply it to the
             # user's fields only, inside the collate that adds the two back.
             user_collate = self._get_collator_with_removed_columns(self.data_collator, description="training")
+        if _is_trainers_default_collator(self.data_collator):
+            # Trainer's own collators pad to the widest item, the full max_length of pre-padded items: cut
+            # each micro-batch to its longest attended row instead (a user's own collator is left as it is).
+            user_collate = _TrimmedCollate(user_collate)
         plan = self.build_cluster_plan(collate_fn=user_collate, loader_dataset=dataset)
         assert self.cluster_loader is not None
         if self._resume_checkpoint is not None:
@@ -301,6 +306,25 @@ class ClusterTrainer(ClusterSamplingMixin, Trainer):
 
     See `ClusterSamplingMixin` for what it adds; without an enabled block it is a plain Trainer.
     """
+
+
+def _is_trainers_default_collator(collator: Any) -> bool:
+    """Whether `collator` is one Trainer picks when the user gives none (`default_data_collator`, or padding
+    with the tokenizer)."""
+    from transformers.data.data_collator import DataCollatorWithPadding, default_data_collator
+
+    return collator is default_data_collator or isinstance(collator, DataCollatorWithPadding)
+
+
+class _TrimmedCollate:
+    """A collate function followed by `trim_padding` (a class, not a closure: DataLoader workers pickle it)."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __call__(self, items: list) -> Any:
+        batch = self.collate(items)
+        return trim_padding(batch) if isinstance(batch, dict) else batch
 
 
 def _without_auto(config: Mapping[str, Any]) -> dict[str, Any]:

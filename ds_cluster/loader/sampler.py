@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from ds_cluster.data.dataset import IGNORE_INDEX
+from ds_cluster.data.dataset import IGNORE_INDEX, trim_padding
 from ds_cluster.loader.loss import LOSS_NORMALIZER
 from ds_cluster.planning.plan import Plan
 
@@ -59,8 +59,16 @@ class WeightedDataset(Dataset):
 
 
 def weighted_collate(collate_fn: Optional[Callable] = None) -> Callable:
-    """Collate with the user's function, then add the stacked index and weight tensors."""
-    user_collate = collate_fn or default_collate
+    """Collate with the user's function, then add the stacked index and weight tensors.
+
+    Without one: torch's `default_collate`, and a dict batch is then cut to its longest attended row
+    (`trim_padding`: no compute spent on padding).
+    """
+    def default(items: list) -> Any:
+        batch = default_collate(items)
+        return trim_padding(batch) if isinstance(batch, dict) else batch
+
+    user_collate = collate_fn or default
 
     def collate(items: list) -> Any:
         if isinstance(items[0], dict):
