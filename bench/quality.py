@@ -58,6 +58,7 @@ from ds_cluster.data.dataset import read_jsonl, write_jsonl  # noqa: E402
 from ds_cluster.distributed import free_port  # noqa: E402
 from ds_cluster.planning.selection import SELECTIONS  # noqa: E402
 from bench.instrument import data_file, default_base_model, job_env  # noqa: E402
+from bench.real import STORIES260K_DIR  # noqa: E402
 from bench.toy.models import default_cache_root  # noqa: E402
 
 logger = logging.getLogger("bench.quality")
@@ -79,7 +80,15 @@ SMOLLM2_FEATURE_MAX_LENGTH = 96
 
 REAL_ARMS = ("full_cut", "random", "paper", "recommended", "oracle", "neardup", "recommended_smollm2")
 SYNTHETIC_ARMS = ("full_cut", "random", "paper", "recommended", "oracle")
-KNOWN_ARMS = REAL_ARMS
+# adaptive: the adaptive schedule at the subsets' step count; auto: it with budget_ratio "auto", up to full data's
+# steps; recommended_small: the recommended preset on a small feature model's features (stories260K under SmolLM2).
+KNOWN_ARMS = REAL_ARMS + ("adaptive", "auto", "recommended_small")
+# The adaptive schedule the benchmark runs: the candidate bench/candidates.json's "adaptive" choice picked on T0's
+# validation split (bench/README.md, docs/adaptive.md), on the recommended preset's clusters.
+ADAPTIVE_PRESET: dict[str, Any] = {"schedule": "adaptive", "adaptive_rule": "progress", "adapt_every": 10,
+                                   "adaptive_pool": "all", "probe_size": 4, "weighting": "cluster"}
+AUTO_PRESET: dict[str, Any] = {**ADAPTIVE_PRESET, "budget_ratio": "auto", "auto_tolerance": 0.01,
+                               "auto_patience": 3}
 EQUAL_STEPS_KINDS = ("random", "recommended")
 
 
@@ -112,6 +121,16 @@ class Settings:
     ablation_ratios: tuple[float, ...] = (0.25, 0.5, 0.75)
     arms: tuple[str, ...] = REAL_ARMS
     recommended: dict = field(default_factory=lambda: {"preset": "recommended"})
+    adaptive: dict = field(default_factory=lambda: dict(ADAPTIVE_PRESET))
+    auto: dict = field(default_factory=lambda: dict(AUTO_PRESET))
+    small_feature_model: Optional[Path] = None  # recommended_small's feature model (default: stories260K)
+    small_feature_max_length: int = 272  # stories260K's tokens: every T0 record whole
+    train_fraction: float = 1.0  # a seeded share of every family of the train file (the SmolLM2 instrument's slice)
+    # "bf16": DeepSpeed's bf16 block (the SmolLM2 instrument: bench/results/train_throughput.md); "autocast":
+    # torch autocast to bf16 in the DeepSpeed config.
+    precision: str = "fp32"
+    gradient_accumulation_steps: int = 1
+    time_goal: float = 0.40  # the preset's total time at the headline fraction, over full data's
     candidates: dict = field(default_factory=dict)  # --choose: name -> cluster_sampling block
     ablations: bool = False
     equal_steps: bool = False
@@ -127,6 +146,16 @@ class Settings:
     command: str = "python bench/quality.py"
 
 
+# The capable-model instrument (`--model smollm2`): SmolLM2-135M-Instruct fine-tuned in bf16 on a slice of the
+# T0 mixture sized so one full-data run takes about 8 minutes here; its recipe was chosen by the calibration gate
+# on validation (bench/README.md, "The SmolLM2 instrument").
+SMOLLM2_RECIPE: dict[str, Any] = {
+    "base_model": SMOLLM2_DIR, "train_fraction": 0.15, "heldout_per_family": 50, "max_length": 136,
+    "micro_batch_size": 8, "gradient_accumulation_steps": 2, "precision": "bf16", "zero_stage": 0,
+    "learning_rate": 1e-4,
+    "adam_eps": 1e-8, "epochs": 2, "seeds": (0, 1, 2), "fractions": (0.3,),
+    "arms": ("full_cut", "random", "recommended", "recommended_small"), "smollm2": None, "time_goal": 0.33,
+    "work_dir": REPO / "runs" / "bench_smollm2_quality"}
 SYNTHETIC_RECIPE: dict[str, Any] = {
     "instrument": "synthetic", "data": REPO / "bench" / "toy" / "data" / "default",
     "results_dir": REPO / "bench" / "results", "epochs": 16, "learning_rate": 1e-3, "max_length": 96,
@@ -181,6 +210,25 @@ def _carve_records(records: list[dict], fraction: float, minimum: int, seed: int
     return ([r for r in records if id(r) not in validation_ids], [r for r in records if id(r) in validation_ids])
 
 
+def seeded_share(records: list[dict], fraction: float, seed: int = SPLIT_SEED) -> list[dict]:
+    """The same share of every family, whole underlying examples at a time (records with one `example_id`
+    stay together, so a validation split carved from it is still split by example), seeded; in file order."""
+    groups: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for index, record in enumerate(records):
+        groups[str(record.get("family", ""))][str(record.get("example_id", f"#{index}"))].append(index)
+    rng = random.Random(seed)
+    chosen: list[int] = []
+    for family in sorted(groups):
+        names = sorted(groups[family])
+        want = round(fraction * sum(len(members) for members in groups[family].values()))
+        for name in rng.sample(names, len(names)):
+            if want <= 0:
+                break
+            chosen += groups[family][name]
+            want -= len(groups[family][name])
+    return [records[index] for index in sorted(chosen)]
+
+
 def categorical_families(records: Sequence[Mapping[str, Any]], top: int = CATEGORICAL_TOP_ANSWERS,
                          coverage: float = CATEGORICAL_COVERAGE_MIN) -> list[str]:
     """The families whose answers are labels: their `top` most frequent answers cover >= `coverage` of them."""
@@ -199,6 +247,8 @@ def prepare_data(settings: Settings) -> dict[str, Any]:
     heldout = read_jsonl(data_file(settings.data, "heldout"))
     if not all("family" in r for r in train_all + heldout):
         raise ValueError(f"{settings.data}: every record needs a 'family' field")
+    if settings.train_fraction < 1.0:
+        train_all = seeded_share(train_all, settings.train_fraction)
     train, validation = carve_validation(train_all)
     if settings.heldout_per_family is not None:
         taken: dict[str, int] = {}
@@ -255,7 +305,9 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
                                  "families": {"path": str(root / "families")}}
     whole = {"budget_mode": "proportional", "budget_ratio": 1.0, "selection": "random", "weighting": "none",
              "allocation": "stratified", "loss_reduction": "token"}
-    feature_sources = {"own": {"model": str(default_base_model(settings))}}
+    feature_sources = {"own": {"model": str(default_base_model(settings))},
+                       "small": {"model": str(settings.small_feature_model or STORIES260K_DIR),
+                                 "feature_max_length": settings.small_feature_max_length}}
     if settings.smollm2 is not None:
         feature_sources["smollm2"] = {"model": str(settings.smollm2),
                                       "feature_max_length": settings.smollm2_feature_max_length}
@@ -314,14 +366,29 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
             analyses.setdefault(name, {"path": str(root / name), "near_duplicates": str(root / "near_duplicates"),
                                        "seed": seed})
             return _arm(tag, seed, name, {**whole, **changes}, fraction, kind, **extra)
-        source = "smollm2" if kind.endswith("_smollm2") else "own"
-        base_kind = kind[:-len("_smollm2")] if source == "smollm2" else kind
+        source = next((s for s in ("smollm2", "small") if kind.endswith(f"_{s}")), "own")
+        base_kind = kind[:-len(source) - 1] if source != "own" else kind
         block = {**(settings.candidates.get(base_kind) or settings.recommended), **changes}
+        if base_kind == "adaptive":
+            block = {**settings.recommended, **settings.adaptive, **changes}
         if source == "smollm2":
             # SmolLM2's proxy features, the candidate measured (its lm_head extraction was not: 49k-word vocabulary).
             block.update(feature_kind="proxy", feature_model=feature_sources["smollm2"]["model"],
                          feature_max_length=feature_sources["smollm2"]["feature_max_length"])
+        elif source == "small":
+            block.update(feature_model=feature_sources["small"]["model"],
+                         feature_max_length=feature_sources["small"]["feature_max_length"])
+        if block.get("schedule") == "adaptive":
+            # At the subsets' step count: the fraction sets the budget, the matched count the steps.
+            block["budget_ratio"] = fraction
+            extra["cut"] = True
         return _arm(tag, seed, clustering_analysis(seed, block, source), block, fraction, kind, **extra)
+
+    def auto(seed: int, name: str = "auto", block: Optional[dict] = None) -> dict:
+        """The adaptive schedule with budget_ratio "auto": up to full data's step count, or until every cluster
+        has stopped improving."""
+        block = {**settings.recommended, **(block or settings.auto)}
+        return _arm(name, seed, clustering_analysis(seed, block, "own"), block, None, "auto")
 
     def full(seed: int) -> dict:
         return _arm("full", seed, "one_cluster", whole, None, "full", epochs=settings.epochs)
@@ -378,15 +445,22 @@ def build_arms(settings: Settings, data: dict) -> tuple[list[dict], dict[str, di
     arms += [full(first), gate_random]
     if settings.gate_only:
         return [dict(arm, epochs=settings.epochs) for arm in arms], analyses
-    kinds = list(settings.candidates) if settings.candidates else list(settings.arms)
+    automatic = {name for name, block in settings.candidates.items() if block.get("budget_ratio") == "auto"}
+    kinds = [k for k in settings.candidates if k not in automatic] if settings.candidates else \
+        [k for k in settings.arms if k != "auto"]
     for seed in settings.seeds:
-        if seed != first and not settings.candidates:  # choosing compares subsets only
+        # Choosing compares subsets only, unless an "auto" candidate needs full data's time beside it.
+        if seed != first and (not settings.candidates or automatic):
             arms.append(full(seed))
         for fraction in settings.fractions:
             for kind in (["random"] + kinds if settings.candidates else kinds):
                 arm = subset(kind, seed, fraction)
                 if arm["name"] not in {a["name"] for a in arms}:
                     arms.append(arm)
+        if "auto" in settings.arms and not settings.candidates:
+            arms.append(auto(seed))
+        for name in sorted(automatic):
+            arms.append(auto(seed, name, settings.candidates[name]))
         if settings.equal_steps and not settings.candidates:
             for kind in EQUAL_STEPS_KINDS:
                 arms.append(subset(kind, seed, settings.headline_fraction, steps=True))
@@ -424,7 +498,9 @@ def instrument_record(settings: Settings) -> dict[str, Any]:
             "warmup_fraction": settings.warmup_fraction, "max_length": settings.max_length,
             "micro_batch_size": settings.micro_batch_size, "zero_stage": settings.zero_stage,
             "heldout_per_family": settings.heldout_per_family,
-            "smollm2_feature_max_length": settings.smollm2_feature_max_length}
+            "smollm2_feature_max_length": settings.smollm2_feature_max_length,
+            "train_fraction": settings.train_fraction, "precision": settings.precision,
+            "gradient_accumulation_steps": settings.gradient_accumulation_steps}
 
 
 def check_work_dir(settings: Settings) -> None:
@@ -442,8 +518,12 @@ def check_work_dir(settings: Settings) -> None:
 
 def write_spec(settings: Settings, data: dict, arms: list[dict], analyses: dict) -> Path:
     config = json.loads((REPO / "ds_configs" / f"zero{settings.zero_stage}.json").read_text())
-    config.update(train_micro_batch_size_per_gpu=settings.micro_batch_size, gradient_accumulation_steps=1,
-                  steps_per_print=10 ** 9)
+    config.update(train_micro_batch_size_per_gpu=settings.micro_batch_size,
+                  gradient_accumulation_steps=settings.gradient_accumulation_steps, steps_per_print=10 ** 9)
+    if settings.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif settings.precision == "autocast":
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     config.pop("train_batch_size", None)
     config["optimizer"]["params"].update(betas=[0.9, 0.95], weight_decay=0.0, eps=settings.adam_eps)
     small = sorted(data["sizes"], key=lambda f: data["sizes"][f])[:len(data["sizes"]) // 2]
@@ -453,7 +533,7 @@ def write_spec(settings: Settings, data: dict, arms: list[dict], analyses: dict)
         **{name: str(path) for name, path in data["paths"].items()},
         "num_train": data["num_train"], "exact_match_families": data["exact_match_families"],
         "ds_config": config, "learning_rate": settings.learning_rate, "warmup_fraction": settings.warmup_fraction,
-        "max_length": settings.max_length,
+        "max_length": settings.max_length, "precision": settings.precision,
         "copy_probe_records": settings.copy_probe_records, "copy_probe_seed": 12345,
         "evaluate_splits": ["validation"] if settings.candidates else ["validation", "heldout"],
         "analyses": analyses, "arms": arms, "launched_at": time.time(), "skipped": list(settings.skipped),
@@ -495,8 +575,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="the synthetic instrument: toy tasks, the toy base model, its recipe and gate "
                              "(a check of the machinery)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: one seed, one fraction, fewer arms")
+    parser.add_argument("--model", choices=("stories260k", "smollm2"), default="stories260k",
+                        help="the trained model: stories260K (260K parameters, the default instrument) or "
+                             "SmolLM2-135M-Instruct (a capable pretrained model, bf16; `python -m bench.real.smollm2` "
+                             "writes its folder)")
     parser.add_argument("--choose", action="store_true",
                         help="run the recommended preset's candidates (bench/candidates.json) on validation only")
+    parser.add_argument("--choose-adaptive", action="store_true",
+                        help="run the adaptive schedule's candidates (bench/candidates.json, its \"adaptive\" list) "
+                             "on validation only")
     parser.add_argument("--seeds", type=int, default=len(Settings.seeds), help="paired seeds (default 4)")
     parser.add_argument("--work-dir", type=Path, default=None, help="default runs/bench_[real_]NAME")
     parser.add_argument("--results-dir", type=Path, default=None,
@@ -530,7 +617,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = None) -> Settings:
     # Each mode has its own name, so a smoke or choosing run never reuses or overwrites the default's arms.
     name = args.name if args.name != "quality" else (
-        "quality_choose" if args.choose else "quality_quick" if args.quick else "quality")
+        "quality_choose_adaptive" if args.choose_adaptive else "quality_choose" if args.choose
+        else "quality_quick" if args.quick else "quality")
     given = argv if argv is not None else sys.argv[1:]
     # A rebuilt report names the run that measured it (the flag only re-reads its arms).
     command = " ".join(["python bench/quality.py"] + [a for a in given if a != "--report-only"])
@@ -539,11 +627,20 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     settings = Settings(command=command, results_name=name, seeds=tuple(range(args.seeds)))
     if args.synthetic:
         settings = replace(settings, **SYNTHETIC_RECIPE)
-    prefix = "bench_" if args.synthetic else "bench_real_"
-    settings = replace(settings, data=args.data or settings.data, base_model=args.base_model,
+    prefix = "bench_" if args.synthetic else "bench_smollm2_" if args.model == "smollm2" else "bench_real_"
+    if args.model == "smollm2":
+        if args.synthetic:
+            raise SystemExit("--model smollm2 is a real instrument: leave out --synthetic")
+        name = name.replace("quality", "quality_smollm2", 1) if args.name == "quality" else name
+        settings = replace(settings, **SMOLLM2_RECIPE, results_name=name)
+    settings = replace(settings, data=args.data or settings.data, base_model=args.base_model or settings.base_model,
                        results_dir=args.results_dir or settings.results_dir,
                        work_dir=args.work_dir or REPO / "runs" / f"{prefix}{name}")
-    if args.quick:
+    if args.quick and args.model == "smollm2":
+        settings = replace(settings, seeds=(0,), fractions=(0.3,), arms=("random", "recommended_small"),
+                           ablations=False, skipped=("full_cut, recommended on SmolLM2's own features, adaptive and "
+                                                     "auto left out of the quick run (its 15 minutes)",))
+    elif args.quick:
         quick_arms = ("random", "paper", "recommended") if args.synthetic else ("random", "recommended", "neardup")
         settings = replace(settings, seeds=(0,), fractions=(0.3,), arms=quick_arms, ablations=False,
                            heldout_per_family=40, copy_probe_records=60)
@@ -571,8 +668,9 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     if args.test_epochs is not None:
         settings = replace(settings, epochs=args.test_epochs, fractions=(0.3,), ablations=False,
                            arms=("random", "paper"), copy_probe_records=8, features_cache=None)
-    if args.choose:
-        declared = json.loads((REPO / "bench" / "candidates.json").read_text())[settings.instrument]
+    if args.choose or args.choose_adaptive:
+        declared = json.loads((REPO / "bench" / "candidates.json").read_text())[
+            "adaptive" if args.choose_adaptive else settings.instrument]
         candidates = {name: block for name, block in declared.items() if not name.startswith("_")}  # "_rule"
         if settings.instrument == "synthetic":
             # Declared and measured when proxy was the default feature kind; they keep it, so they reproduce.

@@ -76,7 +76,14 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict], spec: 
              exact_match_families: Sequence[str]) -> dict[str, Any]:
     """Answer loss per family, and greedy exact match per family of `exact_match_families`, the records
     shared out over the ranks (collective). Generation runs to each batch's longest reference answer plus a
-    margin (ds_cluster.evaluate.greedy_answers)."""
+    margin (ds_cluster.evaluate.greedy_answers); under bf16 autocast when the arms train in it."""
+    with torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16,
+                        enabled=spec.get("precision", "fp32") != "fp32"):  # as the arms train
+        return _evaluate(model, tokenizer, records, spec, exact_match_families)
+
+
+def _evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict], spec: dict,
+              exact_match_families: Sequence[str]) -> dict[str, Any]:
     from ds_cluster.evaluate import answer_nll, greedy_answers, mean_by_group
 
     rank, world = distributed.get_rank(), distributed.get_world_size()
@@ -230,7 +237,8 @@ def resolve_arm(arm: dict, spec: dict) -> tuple[dict, Optional[int], Optional[in
     """
     block, steps, kept = dict(arm["cluster_sampling"]), arm.get("steps"), None
     match = arm.get("match")
-    global_batch = spec["ds_config"]["train_micro_batch_size_per_gpu"] * distributed.get_world_size()
+    global_batch = (spec["ds_config"]["train_micro_batch_size_per_gpu"] * distributed.get_world_size()
+                    * spec["ds_config"].get("gradient_accumulation_steps", 1))
     if match:
         summary = json.loads((Path(spec["analyses"][match["analysis"]]["path"]) / "summary.json").read_text())
         sizes = summary["cluster_sizes"]
@@ -266,6 +274,8 @@ def run_arm(arm: dict, spec: dict, train: InstructionDataset, tokenizer: Any, sp
     if "near_duplicates" in analysis:
         materialize_near_duplicates(analysis, kept, len(train))
     block["analysis_path"] = analysis["path"]
+    if block.get("schedule") == "adaptive":
+        block["schedule_log"] = str(Path(spec["work_dir"]) / "arms" / f"{arm['name']}.schedule.jsonl")
     config["data_efficiency"]["data_sampling"]["cluster_sampling"] = {**block, "enabled": True}
     steps = {"total": 0}
     schedule = warmup_cosine(lambda: steps["total"], spec["warmup_fraction"])
@@ -303,6 +313,8 @@ def run_arm(arm: dict, spec: dict, train: InstructionDataset, tokenizer: Any, sp
                 learning_rates[engine.global_steps] = engine.get_lr()[0]
             if engine.global_steps >= steps["total"]:
                 break
+        if getattr(loader, "finished", False):
+            break  # the auto budget: every cluster has stopped improving
         if engine.global_steps < steps["total"] and loader.position >= loader.micro_batches_per_epoch:
             during = Clock()
             validation = evaluate(engine.module, tokenizer, splits["validation"], spec, [])["loss"]
@@ -318,9 +330,11 @@ def run_arm(arm: dict, spec: dict, train: InstructionDataset, tokenizer: Any, sp
     evaluated = clock.read()
     curve.append({"epoch": engine.global_steps / plan.steps_per_epoch, "step": engine.global_steps, "loop": loop,
                   "loss": evaluation["validation"]["loss"]})
+    # The adaptive schedule keeps what it drew (a sample counts once); the static plan what it selected.
+    kept = int(loader.consumed().sum()) if hasattr(loader, "consumed") else plan.num_kept
     result = {
-        "arm": arm, "cluster_sampling": block, "steps": engine.global_steps, "num_kept": plan.num_kept,
-        "num_samples": plan.num_samples, "kept_fraction": plan.num_kept / plan.num_samples,
+        "arm": arm, "cluster_sampling": block, "steps": engine.global_steps, "num_kept": kept,
+        "num_samples": plan.num_samples, "kept_fraction": kept / plan.num_samples,
         "kept_sizes": plan.kept_sizes.tolist(), "steps_per_epoch": plan.steps_per_epoch, "plan": plan.fingerprint(),
         "time": {"setup": summed(set_up), "loop": loop, "evaluation": summed(evaluated),
                  "validation_during_training": summed(evaluating),

@@ -135,10 +135,14 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
         # Issue-level goal: the recommended arms against near-duplicate removal of the same kept count, paired.
         neardup = by_setting.get(f"neardup_f{fraction:g}") if fraction is not None else None
         if neardup and some["arm"]["method"].startswith("recommended") and "_steps_" not in setting:
-            paired = [s for s in per_seed if s in neardup]
-            entry["vs_neardup"] = {metric: mean_ci([quality(per_seed[s], split)[metric]
-                                                    - quality(neardup[s], split)[metric] for s in paired])
-                                   for metric in ("loss_macro", "loss_worst", "em_macro", "em_worst")}
+            entry["vs_neardup"] = paired_difference(per_seed, neardup, split)
+        # The bar a user gets for free: full data stopped at the same step count (every subset at equal epochs).
+        cut = by_setting.get(f"full_cut_f{fraction:g}") if fraction is not None else None
+        if cut and not setting.startswith("full") and "_steps_" not in setting:
+            entry["vs_full_cut"] = paired_difference(per_seed, cut, split)
+        static = by_setting.get(f"recommended_f{fraction:g}") if fraction is not None else None
+        if static and some["arm"]["method"] == "adaptive":
+            entry["vs_recommended"] = paired_difference(per_seed, static, split)
         settings[setting] = entry
     full_epoch = None
     if full_time:
@@ -155,11 +159,19 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
             "selection": extraction, "base": base_row}
 
 
+def paired_difference(per_seed: dict, other: dict, split: str) -> dict[str, dict]:
+    """Mean ± CI over the seeds both have of (this arm's quality minus the other's), per metric."""
+    seeds = [s for s in per_seed if s in other]
+    return {metric: mean_ci([quality(per_seed[s], split)[metric] - quality(other[s], split)[metric] for s in seeds])
+            for metric in ("loss_macro", "loss_worst", "em_macro", "em_worst")}
+
+
 def _order(name: str) -> tuple:
     method_rank = {"full": 0, "full_cut": 1, "random": 2, "neardup": 3, "oracle": 4, "paper": 5, "recommended": 6,
-                   "recommended_smollm2": 7, "random_steps": 8, "recommended_steps": 9}
+                   "recommended_small": 7, "recommended_smollm2": 8, "adaptive": 9, "auto": 10, "random_steps": 11,
+                   "recommended_steps": 12}
     method = name.split("_f")[0]
-    return (method_rank.get(method, 10), name)
+    return (method_rank.get(method, 20), name)
 
 
 def table(summary: dict, names: list[str]) -> str:
@@ -179,28 +191,33 @@ def table(summary: dict, names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def paired_table(summary: dict, names: list[str]) -> str:
-    lines = ["| setting minus random (same size, same seed) | seeds | answer loss macro | answer loss worst | "
-             "exact match macro | exact match worst |", "|---|---|---|---|---|---|"]
+def _difference_table(summary: dict, names: list[str], key: str, title: str) -> str:
+    lines = [f"| {title} | seeds | answer loss macro | answer loss worst | exact match macro | exact match worst |",
+             "|---|---|---|---|---|---|"]
     for name in names:
-        e = summary["settings"][name]
-        if "vs_random" in e:
-            v = e["vs_random"]
-            lines.append(f"| {name} | {v['loss_macro']['n']} | {format_stat(v['loss_macro'])} | {format_stat(v['loss_worst'])} | "
-                         f"{format_stat(v['em_macro'])} | {format_stat(v['em_worst'])} |")
+        v = summary["settings"][name].get(key)
+        if v:
+            lines.append(f"| {name} | {v['loss_macro']['n']} | {format_stat(v['loss_macro'])} | "
+                         f"{format_stat(v['loss_worst'])} | {format_stat(v['em_macro'])} | {format_stat(v['em_worst'])} |")
     return "\n".join(lines)
+
+
+def paired_table(summary: dict, names: list[str]) -> str:
+    return _difference_table(summary, names, "vs_random", "setting minus random (same size, same seed)")
 
 
 def full_paired_table(summary: dict, names: list[str]) -> str:
-    lines = ["| setting minus full data (same seed) | seeds | answer loss macro | answer loss worst | "
-             "exact match macro | exact match worst |", "|---|---|---|---|---|---|"]
-    for name in names:
-        e = summary["settings"][name]
-        if "vs_full" in e:
-            v = e["vs_full"]
-            lines.append(f"| {name} | {v['loss_macro']['n']} | {format_stat(v['loss_macro'])} | {format_stat(v['loss_worst'])} | "
-                         f"{format_stat(v['em_macro'])} | {format_stat(v['em_worst'])} |")
-    return "\n".join(lines)
+    return _difference_table(summary, names, "vs_full", "setting minus full data (same seed)")
+
+
+def full_cut_paired_table(summary: dict, names: list[str]) -> str:
+    return _difference_table(summary, names, "vs_full_cut",
+                             "setting minus full data stopped at the same step count (same seed)")
+
+
+def recommended_paired_table(summary: dict, names: list[str]) -> str:
+    return _difference_table(summary, names, "vs_recommended",
+                             "adaptive schedule minus the static recommended preset (same steps, same seed)")
 
 
 def target_table(summary: dict, names: list[str]) -> str:
@@ -339,8 +356,13 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
         lines += [f"## {split}: every setting (mean ± 95% CI over paired seeds)", "", table(s, names), "",
                   f"## {split}: paired differences against the random subset of the same size (equal epochs)", "",
                   paired_table(s, names), "",
+                  f"## {split}: paired differences against full data stopped at the same step count", "",
+                  full_cut_paired_table(s, names), "",
                   f"## {split}: paired differences against full data (full_cut and *_steps: equal steps)", "",
                   full_paired_table(s, names), ""]
+        if any("vs_recommended" in e for e in s["settings"].values()):
+            lines += [f"## {split}: the adaptive schedule against the static recommended preset", "",
+                      recommended_paired_table(s, names), ""]
     s = summaries[main_split]
     lines += [f"## {main_split}: answer loss per family", "", family_table(s, names, "loss"), "",
               f"## {main_split}: exact match per family", "", family_table(s, names, "exact_match"), "",

@@ -12,7 +12,7 @@ object or plain values).
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -21,6 +21,7 @@ from ds_cluster.ds_config import BLOCK_PATH, ConfigSource, cluster_block, read_d
 from ds_cluster.features.kinds import FEATURE_KINDS
 from ds_cluster.planning.allocation import ALLOCATIONS
 from ds_cluster.planning.budget import BUDGETS
+from ds_cluster.planning.schedule import ADAPTIVE_RULES
 from ds_cluster.planning.selection import SELECTIONS
 from ds_cluster.planning.weights import WEIGHTINGS
 from ds_cluster.registry import Registry
@@ -57,11 +58,13 @@ RECOMMENDED_PRESET: dict[str, Any] = {
 PRESETS: dict[str, dict[str, Any]] = {"paper": PAPER_PRESET, "recommended": RECOMMENDED_PRESET}
 # The keys that name a rule, and the registry each is read from (the one list of the names there are).
 RULE_REGISTRIES: dict[str, Registry] = {"feature_kind": FEATURE_KINDS, "budget_mode": BUDGETS, "selection": SELECTIONS,
-                                        "weighting": WEIGHTINGS, "allocation": ALLOCATIONS, "backend": BACKENDS}
+                                        "weighting": WEIGHTINGS, "allocation": ALLOCATIONS, "backend": BACKENDS,
+                                        "adaptive_rule": ADAPTIVE_RULES}
 RULE_KEYS = tuple(RULE_REGISTRIES)
 # Keys added after plans were first fingerprinted: in a plan's settings (and so its fingerprint) only when set away
 # from their defaults, so a plan built without them keeps its fingerprint and its checkpoints resume.
-KEYS_RECORDED_WHEN_SET = ("weight_temperature", "dedup_similarity")
+KEYS_RECORDED_WHEN_SET = ("weight_temperature", "dedup_similarity", "schedule", "adaptive_rule", "adapt_every",
+                          "adaptive_pool", "probe_size", "exploration", "auto_tolerance", "auto_patience")
 
 
 class ClusterSamplingConfig(BaseModel):
@@ -74,7 +77,8 @@ class ClusterSamplingConfig(BaseModel):
     # The defaults are the recommended preset: the best setting measured.
     num_clusters: Union[Literal["auto"], int] = RECOMMENDED_PRESET["num_clusters"]
     budget_mode: str = RECOMMENDED_PRESET["budget_mode"]
-    budget_ratio: float = Field(1.0, gt=0.0, le=1.0)
+    # "auto" (with the adaptive schedule): the run finds its own budget (clusters stop when they stop improving).
+    budget_ratio: Union[Literal["auto"], Annotated[float, Field(gt=0.0, le=1.0)]] = 1.0
     budget_samples: Optional[int] = Field(None, ge=1)
     selection: str = RECOMMENDED_PRESET["selection"]
     # semdedup: cosine similarity at or above which a sample is a near-duplicate of one read before it.
@@ -98,6 +102,17 @@ class ClusterSamplingConfig(BaseModel):
     # A checkpoint folder used only to compute the features (its own forward-only engine and tokenizer).
     feature_model: Optional[str] = None
     feature_max_length: Optional[int] = Field(None, ge=2)
+    # The schedule: "static" (a plan fixed before step 0) or "adaptive" (windows of adapt_every optimizer steps
+    # whose per-cluster shares follow what the clusters' losses did in the window before; docs/adaptive.md).
+    schedule: Literal["static", "adaptive"] = "static"
+    adaptive_rule: str = "progress"
+    adapt_every: int = Field(10, ge=1)
+    adaptive_pool: Literal["all", "selected"] = "all"
+    probe_size: int = Field(4, ge=0)
+    exploration: float = Field(0.1, ge=0.0, le=1.0)
+    auto_tolerance: float = Field(0.01, ge=0.0, lt=1.0)
+    auto_patience: int = Field(3, ge=1)
+    schedule_log: Optional[str] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -121,13 +136,28 @@ class ClusterSamplingConfig(BaseModel):
             raise ValueError(f"num_clusters must be >= 1 or 'auto', got {self.num_clusters}")
         return self
 
+    @model_validator(mode="after")
+    def _check_schedule(self) -> "ClusterSamplingConfig":
+        if self.budget_ratio == "auto" and self.schedule != "adaptive":
+            raise ValueError("budget_ratio 'auto' lets the run find its own budget, which only the adaptive schedule "
+                             "does: set schedule 'adaptive', or give budget_ratio a number in (0, 1]")
+        if self.schedule == "adaptive" and self.allocation != "stratified":
+            raise ValueError("schedule 'adaptive' places every window with the stratified allocation: set allocation "
+                             "'stratified' (or schedule 'static')")
+        return self
+
+    @property
+    def planned_ratio(self) -> float:
+        """The budget ratio the plan is built with: everything for 'auto' (the schedule decides what is used)."""
+        return 1.0 if self.budget_ratio == "auto" else float(self.budget_ratio)
+
     def resolved_num_clusters(self, world_size: int) -> int:
         """K: the configured number, or the data-parallel world size for "auto"."""
         return world_size if self.num_clusters == "auto" else int(self.num_clusters)
 
     def plan_settings(self) -> dict[str, Any]:
-        """The keys a plan records and fingerprints: all but the switch, the preset and where the input is."""
-        settings = self.model_dump(exclude={"enabled", "analysis_path", "preset"})
+        """The keys a plan records and fingerprints: all but the switch, the preset and where files are."""
+        settings = self.model_dump(exclude={"enabled", "analysis_path", "preset", "schedule_log"})
         for key in KEYS_RECORDED_WHEN_SET:
             if settings[key] == type(self).model_fields[key].default:
                 del settings[key]
@@ -168,8 +198,12 @@ def _unknown_keys_message(unknown: list[str], source: str) -> str:
 
 
 def _validation_message(err: ValidationError, source: str) -> str:
-    problems = []
+    # A key that takes one of several types ("auto" or a number) reports one error per type: one line for the key.
+    problems: dict[str, list[str]] = {}
+    inputs: dict[str, Any] = {}
     for item in err.errors():
-        key = ".".join(str(part) for part in item["loc"]) or "(block)"
-        problems.append(f"'{key}': {item['msg']} (got {item.get('input')!r})")
-    return f"{source}: invalid value for " + "; ".join(problems)
+        key = str(item["loc"][0]) if item["loc"] else "(block)"
+        problems.setdefault(key, []).append(item["msg"])
+        inputs.setdefault(key, item.get("input"))
+    return f"{source}: invalid value for " + "; ".join(
+        f"'{key}': {', or '.join(messages)} (got {inputs[key]!r})" for key, messages in problems.items())

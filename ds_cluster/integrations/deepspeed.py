@@ -26,6 +26,7 @@ from ds_cluster.batching import BatchShape
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.ds_config import cluster_block, config_in_call, read_ds_config
 from ds_cluster.integrations.setup import ClusterSetup, TrainerAdapter
+from ds_cluster.loader.loss import SAMPLE_LOSSES, probe_losses
 from ds_cluster.loader.sampler import ClusterDataLoader
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ def _initialize(original: Callable, *args: Any, **kwargs: Any):
     loader = cluster_setup.build_loader(hook_adapter(engine, collate_fn))
     engine.training_dataloader = loader
     attach_checkpoint_state(engine, loader, cluster_setup)
+    attach_loss_recording(engine, loader)
     return engine, optimizer, loader, lr_scheduler
 
 
@@ -150,7 +152,22 @@ def hook_adapter(engine: Any, collate_fn: Any = None) -> TrainerAdapter:
     shape = BatchShape(data_parallel.world_size, engine.train_micro_batch_size_per_gpu(),
                        engine.gradient_accumulation_steps())
     return TrainerAdapter(name="the training job (deepspeed.initialize)", data_parallel=data_parallel, shape=shape,
-                          engine=engine, collate_fn=collate_fn)
+                          engine=engine, collate_fn=collate_fn, probe_losses=lambda batch: probe_losses(engine, batch))
+
+
+def attach_loss_recording(engine: Any, loader: ClusterDataLoader) -> None:
+    """Make `engine.backward(loss)` hand the loader the per-sample losses `weighted_causal_lm_loss` put on the
+    loss (the adaptive schedule's figures): the training loop stays as it is."""
+    backward = engine.backward
+
+    @functools.wraps(backward)
+    def backward_recording(loss, *args, **kwargs):
+        record = getattr(loss, SAMPLE_LOSSES, None)
+        if record is not None:
+            loader.record_losses(*record)
+        return backward(loss, *args, **kwargs)
+
+    engine.backward = backward_recording
 
 
 # -------------------------------------------------------------- checkpoints

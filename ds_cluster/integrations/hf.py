@@ -44,7 +44,8 @@ from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.data.dataset import trim_padding
 from ds_cluster.fileio import write_json_atomic
 from ds_cluster.integrations.setup import ClusterSetup, TrainerAdapter
-from ds_cluster.loader.loss import LOSS_NORMALIZER, weighted_causal_lm_loss
+from ds_cluster.loader.adaptive import AdaptiveDataLoader
+from ds_cluster.loader.loss import LOSS_NORMALIZER, SAMPLE_LOSSES, probe_losses, weighted_causal_lm_loss
 from ds_cluster.planning.plan import Plan
 from ds_cluster.loader.sampler import SAMPLE_INDEX, SAMPLE_WEIGHT, ClusterDataLoader
 from ds_cluster.data.special_tokens import ensure_pad_token
@@ -78,10 +79,10 @@ class PlanBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         # Called by Trainer at the start of every epoch, also a resumed one (whose first batches
         # Trainer skips itself): an epoch always starts at its first micro-batch here.
-        self.loader.epoch, self.loader.position = int(epoch), 0
+        self.loader.start_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self.loader.prepare_epoch(self.loader.epoch).tolist()
+        yield from self.loader.trainer_batches()
 
 
 class PlanDataLoader(DataLoader):
@@ -91,9 +92,11 @@ class PlanDataLoader(DataLoader):
         self.batch_sampler.set_epoch(epoch)  # type: ignore[union-attr]
 
     def __iter__(self) -> Any:
-        # The loss normalisers of the epoch are set before worker processes copy the dataset.
+        # The loss normalisers of the epoch are set before worker processes copy the dataset (the adaptive
+        # schedule sets them window by window, in this process: it runs without workers).
         loader = self.batch_sampler.loader  # type: ignore[union-attr]
-        loader.prepare_epoch(loader.epoch)
+        if not isinstance(loader, AdaptiveDataLoader):
+            loader.prepare_epoch(loader.epoch)
         return super().__iter__()
 
 
@@ -175,8 +178,12 @@ class ClusterSamplingMixin:
         check_data_parallel_is_the_world(self.args)
         everyone = distributed.collectives()
         shape = BatchShape(everyone.world_size, self._train_batch_size, self.args.gradient_accumulation_steps)
+        if self.cluster_config.schedule == "adaptive" and self.args.dataloader_num_workers:
+            raise ValueError("the adaptive schedule draws each window from the losses of the one before, in the "
+                             "training process: set dataloader_num_workers=0 (or schedule 'static')")
         return TrainerAdapter(name=f"the training job ({type(self).__name__})", data_parallel=everyone, shape=shape,
-                              engine=self._feature_engine, collate_fn=collate_fn, loader_dataset=loader_dataset)
+                              engine=self._feature_engine, collate_fn=collate_fn, loader_dataset=loader_dataset,
+                              probe_losses=lambda batch: probe_losses(self.model_wrapped, batch))
 
     def cluster_plan_dataset(self) -> Any:
         """What the plan is of: the samples fingerprinted and, for a missing analysis, the features' input.
@@ -237,6 +244,8 @@ class ClusterSamplingMixin:
                         if k not in (SAMPLE_INDEX, SAMPLE_WEIGHT, LOSS_NORMALIZER, "labels")}
         outputs = model(**model_inputs)
         loss = weighted_causal_lm_loss(outputs, inputs)
+        if model.training and self.cluster_loader is not None:
+            self.cluster_loader.record_losses(*getattr(loss, SAMPLE_LOSSES))  # what the adaptive schedule reads
         return (loss, outputs) if return_outputs else loss
 
     # ----------------------------------------------------------- checkpoints
@@ -253,10 +262,12 @@ class ClusterSamplingMixin:
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
-        if self.cluster_loader is None or distributed.get_rank() != 0:
+        if self.cluster_loader is None:
+            return
+        state = self.cluster_loader.state_dict(self.state.global_step)  # collective for the adaptive schedule
+        if distributed.get_rank() != 0:
             return
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        state = self.cluster_loader.state_dict(self.state.global_step)
         # The position from the optimizer step, not from what the loader has read ahead (workers prefetch).
         state["epoch"], state["position"] = self.cluster_loader.resume_point(self.state.global_step)
         write_json_atomic(folder / SAMPLER_STATE_FILE, state)
@@ -279,8 +290,8 @@ class ClusterSamplingMixin:
             logger.warning("%s holds no %s: resuming without checking the plan", checkpoint, SAMPLER_STATE_FILE)
         else:
             self.cluster_setup.restore_sampler(self.cluster_loader, found[0], found[1], where=str(state_path))
-        # Trainer skips the resumed epoch's first micro-batches itself; the sampler starts the epoch whole.
-        self.cluster_loader.position = 0
+        # Trainer skips the resumed epoch's first micro-batches itself.
+        self.cluster_loader.trainer_resumes()
 
 
 def check_data_parallel_is_the_world(args: Any) -> None:

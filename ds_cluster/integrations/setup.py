@@ -38,6 +38,7 @@ from ds_cluster.batching import BatchShape, check_batch_arithmetic
 from ds_cluster.collectives import Collectives
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.data.dataset import dataset_fingerprint
+from ds_cluster.loader.adaptive import AdaptiveDataLoader, AdaptiveSettings
 from ds_cluster.loader.sampler import ClusterDataLoader
 from ds_cluster.planning.plan import Plan, build_plan
 
@@ -59,6 +60,8 @@ class TrainerAdapter:
     engine: EngineOrFactory = None
     collate_fn: Optional[Callable] = None
     loader_dataset: Any = None  # what the loader reads, when not the training data itself
+    # The adaptive schedule's probe losses with the model being trained (`loss.probe_losses` on the engine).
+    probe_losses: Optional[Callable[[dict], Any]] = None
 
 
 class ClusterSetup:
@@ -157,9 +160,14 @@ class ClusterSetup:
         if inputs is None:
             inputs, timings = self.analyze_in_job(adapter)
         plan = self.agreed_plan(adapter.shape, inputs)
-        loader = ClusterDataLoader(self.training_data if adapter.loader_dataset is None else adapter.loader_dataset,
-                                   plan, adapter.data_parallel.rank, collate_fn=adapter.collate_fn,
-                                   sum_over_ranks=adapter.data_parallel.sum)
+        dataset = self.training_data if adapter.loader_dataset is None else adapter.loader_dataset
+        if self.config.schedule == "adaptive":
+            loader: ClusterDataLoader = AdaptiveDataLoader(
+                dataset, plan, adapter.data_parallel.rank, AdaptiveSettings.from_config(self.config),
+                collectives=adapter.data_parallel, collate_fn=adapter.collate_fn, probe_losses=adapter.probe_losses)
+        else:
+            loader = ClusterDataLoader(dataset, plan, adapter.data_parallel.rank, collate_fn=adapter.collate_fn,
+                                       sum_over_ranks=adapter.data_parallel.sum)
         loader.analysis_timings = timings
         return loader
 

@@ -55,14 +55,47 @@ def weighted_lm_loss(logits: torch.Tensor, labels: torch.Tensor, sample_weight: 
     Without `loss_normalizer` ("sample"): mean_i w_i loss_i. With it ("token", one value per item):
     sum_i w_i (summed token losses of i) / normalizer_i.
     """
+    sums, counts = token_loss_sums(logits, labels)
+    return _weighted(sums, counts, sample_weight, loss_normalizer)
+
+
+def _weighted(sums: torch.Tensor, counts: torch.Tensor, sample_weight: torch.Tensor,
+              loss_normalizer: Optional[torch.Tensor]) -> torch.Tensor:
     if loss_normalizer is None:
-        losses = per_sample_lm_loss(logits, labels)
-        return (losses * sample_weight.to(losses.dtype)).mean()
-    sums, _ = token_loss_sums(logits, labels)
+        return ((sums / counts.clamp(min=1)) * sample_weight.to(sums.dtype)).mean()
     return (sums * sample_weight.to(sums.dtype) / loss_normalizer.to(sums.dtype)).sum()
 
 
+# The attribute of the returned loss that carries (sample indices, per-sample mean losses) to the adaptive
+# schedule: `engine.backward(loss)` under the hook hands them to the loader, so the training loop stays as it is.
+SAMPLE_LOSSES = "ds_cluster_sample_losses"
+
+
 def weighted_causal_lm_loss(outputs: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """`weighted_lm_loss` for a Hugging Face causal LM's output and a ds_cluster batch."""
+    """`weighted_lm_loss` for a Hugging Face causal LM's output and a ds_cluster batch.
+
+    The returned scalar also carries each sample's mean response-token loss (detached), with the batch's
+    `sample_index`, as its `ds_cluster_sample_losses` attribute: what the adaptive schedule learns from.
+    """
     logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
-    return weighted_lm_loss(logits, batch["labels"], batch["sample_weight"], batch.get(LOSS_NORMALIZER))
+    labels, weights, normalizer = batch["labels"], batch["sample_weight"], batch.get(LOSS_NORMALIZER)
+    sums, counts = token_loss_sums(logits, labels)
+    loss = _weighted(sums, counts, weights, normalizer)
+    if "sample_index" in batch:
+        setattr(loss, SAMPLE_LOSSES, (batch["sample_index"], (sums / counts.clamp(min=1)).detach()))
+    return loss
+
+
+def probe_losses(model: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Each sample's mean response-token loss under `model` (a module or a DeepSpeed engine), forward only, in
+    eval mode; the model's mode is restored. What the adaptive schedule's probe set is scored with."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(iter(model.parameters())).device
+        with torch.no_grad():
+            outputs = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
+        logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
+        return per_sample_lm_loss(logits, batch["labels"].to(device))
+    finally:
+        model.train(was_training)

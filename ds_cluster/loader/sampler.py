@@ -175,6 +175,23 @@ class ClusterDataLoader:
         epoch, steps_in_epoch = divmod(int(global_step), self.plan.steps_per_epoch)
         return epoch, steps_in_epoch * self.plan.gradient_accumulation_steps
 
+    # The Hugging Face Trainer's side (its batch sampler, `integrations/hf.PlanBatchSampler`): Trainer skips a
+    # resumed epoch's first micro-batches itself, so an epoch is always handed over from its start.
+    def start_epoch(self, epoch: int) -> None:
+        """Trainer starts an epoch (its sampler's set_epoch), a resumed one included."""
+        self.epoch, self.position = int(epoch), 0
+
+    def trainer_resumes(self) -> None:
+        """Trainer resumes inside the current epoch and skips its first micro-batches itself."""
+        self.position = 0
+
+    def trainer_batches(self) -> Iterator[list[int]]:
+        """The sample indices of this rank's micro-batches of the current epoch, all of them."""
+        yield from self.prepare_epoch(self.epoch).tolist()
+
+    def record_losses(self, sample_index: Any, losses: Any) -> None:
+        """Per-sample losses of a micro-batch: the static plan does not use them (the adaptive schedule does)."""
+
     def set_epoch(self, epoch: int) -> None:
         """Start the given epoch from its beginning (DistributedSampler's convention)."""
         if epoch != self.epoch:

@@ -263,7 +263,7 @@ def build_plan(
     full_labels, distances = spread_to_all(clusters, participating_rows, num_samples)
     cluster_sizes = np.bincount(clusters.labels, minlength=num_clusters).astype(np.int64)
     kept_sizes = cluster_budgets(
-        cluster_sizes, budget, config.budget_ratio, config.budget_samples,
+        cluster_sizes, budget, config.planned_ratio, config.budget_samples,
         # Only a rule that reads them gets the spreads (0.1 to 0.3 s at N = 10M).
         cluster_spreads(clusters.distances, clusters.labels, num_clusters)
         if has_geometry and budget.needs_spreads else None,

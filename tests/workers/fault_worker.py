@@ -8,6 +8,8 @@ library): this wrapper patches around it, driven by environment variables.
     DS_CLUSTER_TEST_KILL_RANK=R         which rank (default 1)
     DS_CLUSTER_TEST_RANK_ARGS=JSON      per-rank replacements of the training script's options, e.g.
                                         {"1": {"--data": "other.jsonl"}}: rank 1 gets other data
+    DS_CLUSTER_TEST_SKEW_SHARES=R       rank R's adaptive schedule computes other shares than the others
+                                        (its rule's state nudged), as a rank restored from another state would
 
 The rank is read from RANK, which the deepspeed launcher sets before starting the script, else from Open MPI's
 OMPI_COMM_WORLD_RANK under mpirun.
@@ -23,6 +25,7 @@ KILL_AFTER_STEP_VAR = "DS_CLUSTER_TEST_KILL_AFTER_STEP"
 KILL_RANK_VAR = "DS_CLUSTER_TEST_KILL_RANK"
 KILL_AFTER_SHARD_VAR = "DS_CLUSTER_TEST_KILL_AFTER_SHARD"
 RANK_ARGS_VAR = "DS_CLUSTER_TEST_RANK_ARGS"
+SKEW_SHARES_VAR = "DS_CLUSTER_TEST_SKEW_SHARES"
 
 
 def replace_options(argv: list[str], replacements: dict[str, str]) -> list[str]:
@@ -66,6 +69,23 @@ def kill_after_shards(shard_limit: int) -> None:
     FeatureStore.write_shard = write_then_maybe_die
 
 
+def skew_shares() -> None:
+    """This rank's adaptive rule returns shares a little off the others' (every rule, every window)."""
+    import numpy as np
+
+    from ds_cluster.planning.schedule import ADAPTIVE_RULES
+
+    for rule in ADAPTIVE_RULES.values():
+        original = type(rule).update
+
+        def nudged(self, *args, _original=original, **kwargs):
+            shares, state = _original(self, *args, **kwargs)
+            shares = shares + np.where(shares > 0, 1e-3, 0.0)
+            return shares / shares.sum(), state
+
+        type(rule).update = nudged
+
+
 def main() -> int:
     rank = os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     argv = sys.argv[1:]
@@ -75,6 +95,8 @@ def main() -> int:
         kill_after_step(int(os.environ[KILL_AFTER_STEP_VAR]))
     if KILL_AFTER_SHARD_VAR in os.environ and rank == os.environ.get(KILL_RANK_VAR, "1"):
         kill_after_shards(int(os.environ[KILL_AFTER_SHARD_VAR]))
+    if os.environ.get(SKEW_SHARES_VAR) == rank:
+        skew_shares()
     from ds_cluster import train
 
     return train.main(argv)

@@ -7,7 +7,7 @@ SFTTrainer itself. Each rank appends {"step", "indices", "loss"} per
 micro-batch to OUT/trace/rank<R>.jsonl from inside compute_loss, i.e. what the
 model really saw after SFTTrainer's, Trainer's and Accelerate's data handling.
 Rank 0 writes OUT/plan_fingerprint.txt and OUT/run.json (rows, the plan's
-summary and settings, what computing the analysis cost, Trainer's log history).
+summary, labels, cluster sizes and settings, what computing the analysis cost, Trainer's log history).
 """
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def main() -> None:
                                        train_dataset=prompt_completion_dataset(args.data))
     if train_traced(trainer, out, args.resume) == 0:
         (out / "run.json").write_text(json.dumps({
-            "num_rows": len(trainer.train_dataset), "plan": trainer.plan.summary(), "settings": trainer.plan.settings,
+            "num_rows": len(trainer.train_dataset), "plan": trainer.plan.summary(),
+            "labels": trainer.plan.labels.tolist(), "cluster_sizes": trainer.plan.cluster_sizes.tolist(), "settings": trainer.plan.settings,
             "analysis_timings": trainer.cluster_loader.analysis_timings, "log_history": trainer.state.log_history}))
     del trainer
     distributed.shutdown()

@@ -1,0 +1,182 @@
+"""The adaptive schedule in one process: windows placed like the plan, shares that follow the losses, the same
+shares from the same figures, exact resume from a state saved mid-window, the automatic budget, the log, and the
+rules' arithmetic. Real multi-rank runs (hook, Trainers, kill and resume) are in tests/test_adaptive_jobs.py."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ds_cluster import ClusterSamplingConfig, build_plan
+from ds_cluster.collectives import LOCAL
+from ds_cluster.loader.adaptive import AdaptiveDataLoader, AdaptiveSettings, _draw
+from ds_cluster.loader.sampler import ClusterDataLoader
+from ds_cluster.planning.schedule import (ADAPTIVE_RULES, FIXED_POINT, WindowFigures, auto_stop, to_fixed_point,
+                                          window_draws)
+
+SIZES = (60, 30, 10)  # three clusters of unequal size
+LABELS = np.repeat(np.arange(3), SIZES)
+
+
+def _dataset() -> list[dict]:
+    return [{"input_ids": torch.full((6,), i % 50), "attention_mask": torch.ones(6, dtype=torch.int64),
+             "labels": torch.full((6,), i % 50)} for i in range(len(LABELS))]
+
+
+def _loader(tmp_path: Path, **keys) -> AdaptiveDataLoader:
+    block = {"enabled": True, "schedule": "adaptive", "num_clusters": 3, "budget_mode": "proportional",
+             "budget_ratio": 0.5, "selection": "random", "adapt_every": 2, "probe_size": 0,
+             "loss_reduction": "sample", "analysis_path": str(tmp_path / "analysis"), **keys}
+    config = ClusterSamplingConfig.from_dict(block)
+    plan = build_plan(None, config, world_size=1, micro_batch_size=4, gradient_accumulation_steps=2, labels=LABELS)
+    return AdaptiveDataLoader(_dataset(), plan, 0, AdaptiveSettings.from_config(config), collectives=LOCAL)
+
+
+def _train(loader: AdaptiveDataLoader, micro_batches: int, loss_of_cluster=(2.0, 1.0, 0.5)) -> list[list[int]]:
+    """Take micro-batches as a training loop does, handing back losses that depend on the cluster only."""
+    seen = []
+    while len(seen) < micro_batches and loader.completed_epochs < 50:
+        for batch in loader:
+            indices = batch["sample_index"]
+            loader.record_losses(indices, torch.tensor([loss_of_cluster[LABELS[i]] for i in indices.tolist()]))
+            seen.append(indices.tolist())
+            if len(seen) == micro_batches:
+                break
+    return seen
+
+
+def test_windows_are_placed_like_the_plan_and_cover_every_cluster(tmp_path):
+    loader = _loader(tmp_path)
+    assert len(loader) == loader.plan.steps_per_epoch * 2  # an epoch: the static plan's step count at r = 0.5
+    batches = _train(loader, 8)  # two windows of 2 steps x 2 micro-batches
+    for window in (batches[:4], batches[4:]):
+        drawn = [LABELS[i] for batch in window for i in batch]
+        assert len(drawn) == 16 and set(drawn) == {0, 1, 2}
+        # Without replacement inside a cluster until it is used up: no sample twice in a window here.
+        assert len({i for batch in window for i in batch}) == 16
+    # The first window draws at the natural shares (0.6, 0.3, 0.1 of 16 samples), each within one.
+    counts = np.bincount([LABELS[i] for b in batches[:4] for i in b], minlength=3)
+    assert (np.abs(counts - 16 * np.array([0.6, 0.3, 0.1])) < 1).all()
+
+
+def test_shares_follow_the_rule_and_the_log_says_so(tmp_path):
+    loader = _loader(tmp_path, adaptive_rule="loss", exploration=0.0)
+    _train(loader, 12)
+    lines = [json.loads(line) for line in (tmp_path / "schedule.jsonl").read_text().splitlines()]
+    assert [line["window"] for line in lines] == [0, 1]  # a window's line is written when the next one starts
+    assert lines[0]["train_loss"] == pytest.approx([2.0, 1.0, 0.5])
+    natural = np.array(SIZES) / sum(SIZES)
+    expected = natural * [2.0, 1.0, 0.5] / (natural * [2.0, 1.0, 0.5]).sum()
+    assert lines[0]["shares"] == pytest.approx(expected.tolist())
+    assert lines[0]["step"] == 2 and sum(lines[0]["samples_consumed"]) == 16
+
+
+def test_a_static_schedule_is_the_static_loader_bit_for_bit(tmp_path):
+    config = ClusterSamplingConfig(enabled=True, num_clusters=3, budget_mode="proportional", budget_ratio=0.5,
+                                   selection="random")
+    static = ClusterSamplingConfig(enabled=True, num_clusters=3, budget_mode="proportional", budget_ratio=0.5,
+                                   selection="random", schedule="static", adapt_every=10)
+    plans = [build_plan(None, c, world_size=1, micro_batch_size=4, gradient_accumulation_steps=2, labels=LABELS)
+             for c in (config, static)]
+    assert plans[0].fingerprint() == plans[1].fingerprint()  # the new keys at their defaults change nothing
+    assert type(ClusterDataLoader(_dataset(), plans[0], 0)) is ClusterDataLoader
+
+
+def test_resume_mid_window_gives_the_same_indices_and_shares(tmp_path):
+    whole = _loader(tmp_path / "a")
+    expected = _train(whole, 20)
+    first = _loader(tmp_path / "b")
+    done = _train(first, 7)  # inside the fourth window (2 micro-batches per step, 2 steps per window)
+    state = json.loads(json.dumps(first.state_dict(global_step=3)))  # plain JSON, as checkpoints keep it
+    resumed = _loader(tmp_path / "b")
+    resumed.load_state_dict(state)
+    assert done + _train(resumed, 13) == expected
+    log = [json.loads(line) for line in (tmp_path / "b" / "schedule.jsonl").read_text().splitlines()]
+    assert log == [json.loads(line) for line in (tmp_path / "a" / "schedule.jsonl").read_text().splitlines()]
+
+
+def test_a_loop_that_hands_no_losses_gets_a_clear_error(tmp_path):
+    loader = _loader(tmp_path)
+    with pytest.raises(RuntimeError, match="received no per-sample losses in window 0.*record_losses"):
+        for _ in loader:
+            pass
+
+
+def test_auto_budget_stops_clusters_that_stop_improving_and_ends_the_run(tmp_path):
+    loader = _loader(tmp_path, budget_ratio="auto", auto_patience=2, auto_tolerance=0.01)
+    assert loader.plan.num_kept == loader.plan.num_samples  # auto: everything may be drawn
+    batches = _train(loader, 1000)  # losses never improve: every cluster stops after patience + 1 windows
+    assert loader.finished and loader.completed_epochs > 50
+    assert len(batches) == 3 * 2 * 2  # three windows, then every cluster has stopped
+    last = json.loads((tmp_path / "schedule.jsonl").read_text().splitlines()[-1])
+    assert last["stopped"] == [0, 1, 2] and last["finished"]
+    assert 0 < last["kept_fraction"] < 1
+
+
+def test_probe_set_is_held_out_of_training(tmp_path):
+    loader = _loader(tmp_path, probe_size=3)
+    assert loader.probe.size == 9
+    drawn = {i for batch in _train(loader, 40) for i in batch}
+    assert not drawn & set(loader.probe.tolist())
+
+
+def test_the_config_refuses_auto_without_the_adaptive_schedule():
+    with pytest.raises(ValueError, match="budget_ratio 'auto'.*schedule 'adaptive'"):
+        ClusterSamplingConfig.from_dict({"enabled": True, "budget_ratio": "auto"})
+    with pytest.raises(ValueError, match="'adaptive_rule'.*'progress', 'exp3', 'loss'"):
+        ClusterSamplingConfig.from_dict({"enabled": True, "adaptive_rule": "greedy"})
+
+
+# ------------------------------------------------------------------------------------------ the pure parts
+@settings(max_examples=100, deadline=None)
+@given(shares=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8).filter(lambda s: sum(s) > 0),
+       samples=st.integers(1, 500))
+def test_window_draws_add_up_and_follow_the_shares(shares, samples):
+    shares = np.array(shares) / sum(shares)
+    draws = window_draws(shares, samples)
+    assert draws.sum() == samples and (np.abs(draws - samples * shares) < 1.0 + 1e-9).all()
+
+
+@settings(max_examples=50, deadline=None)
+@given(size=st.integers(1, 30), counts=st.lists(st.integers(0, 50), min_size=1, max_size=6))
+def test_a_stream_uses_a_pool_up_before_repeating_it(size, counts):
+    pool = np.arange(100, 100 + size)
+    stream, taken = [0, 0], []
+    for count in counts:
+        part, stream = _draw(pool, 7, 0, stream, count)
+        assert part.size == count
+        taken += part.tolist()
+    for start in range(0, len(taken) - len(taken) % size, size):
+        assert sorted(taken[start:start + size]) == pool.tolist()
+
+
+@pytest.mark.parametrize("name", list(ADAPTIVE_RULES))
+def test_every_rule_gives_shares_over_the_active_clusters(name):
+    rule = ADAPTIVE_RULES[name]
+    natural = np.array([0.5, 0.3, 0.2])
+    active = np.array([True, False, True])
+    state = rule.initial_state(3)
+    for window, losses in enumerate(([3.0, 2.0, 1.0], [2.0, 2.0, 0.9], [1.5, 1.9, 0.9])):
+        figures = WindowFigures(to_fixed_point(losses), np.array([4, 4, 4]))
+        shares, state = rule.update(state, figures, natural, active, window + 1, 0.1)
+        assert shares.sum() == pytest.approx(1.0) and shares[1] == 0 and (shares >= 0).all()
+        json.dumps(state)  # plain JSON: checkpoints keep it
+
+
+def test_fixed_point_sums_do_not_depend_on_their_order():
+    values = np.random.default_rng(0).random(1000) * 10
+    a = to_fixed_point(values).sum()
+    b = to_fixed_point(values[::-1][:500]).sum() + to_fixed_point(values[::-1][500:]).sum()
+    assert a == b and abs(a / FIXED_POINT - values.sum()) < 1e-3
+
+
+def test_auto_stop_needs_patience_windows_without_improvement():
+    best, stale, stopped = np.array([np.nan]), np.array([0]), np.array([False])
+    for loss, expect_stopped in ((1.0, False), (0.999, False), (0.998, True)):
+        best, stale, stopped = auto_stop(best, stale, stopped, np.array([loss]), 0.01, 2)
+        assert bool(stopped[0]) == expect_stopped

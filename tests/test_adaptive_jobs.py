@@ -1,0 +1,154 @@
+"""The adaptive schedule in real 2-rank DeepSpeed jobs: the hook under the deepspeed launcher and mpirun, ZeRO-3
+and ZeRO-1, resume mid-window after a real SIGKILL, ranks that disagree, ClusterTrainer (with resume) and
+ClusterSFTTrainer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds_cluster.planning.plan import Plan
+from ds_cluster.planning.schedule import window_draws
+from tests.launching import REPO, check, run_deepspeed, run_mpirun
+from tests.test_bad_inputs import assert_failed_on_every_rank
+from tests.training import TRAIN, read_trace, train_args
+from tests.workers.fault_worker import KILL_AFTER_STEP_VAR, SKEW_SHARES_VAR
+
+pytestmark = pytest.mark.integration
+
+WORKER = str(REPO / "tests" / "workers" / "fault_worker.py")
+HF_WORKER = REPO / "tests" / "workers" / "hf_trainer_worker.py"
+SFT_WORKER = REPO / "tests" / "workers" / "trl_trainer_worker.py"
+ADAPT_EVERY, STEPS = 3, 9  # three windows of 3 optimizer steps
+BLOCK = {"enabled": True, "schedule": "adaptive", "adaptive_rule": "loss", "adapt_every": ADAPT_EVERY,
+         "probe_size": 2, "num_clusters": 4, "budget_mode": "proportional", "budget_ratio": 0.5,
+         "selection": "random", "kmeans_n_init": 2, "allocation": "stratified"}
+
+
+def adaptive_config(small_job: Path, folder: Path, stage: int, **keys) -> Path:
+    config = json.loads((REPO / "ds_configs" / f"zero{stage}.json").read_text())
+    config["data_efficiency"]["data_sampling"]["cluster_sampling"] = {
+        **BLOCK, "analysis_path": str(small_job / "analysis"), "schedule_log": str(folder / "schedule.jsonl"), **keys}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "ds_config.json").write_text(json.dumps(config))
+    return folder / "ds_config.json"
+
+
+def hook_args(small_job: Path, out: Path, stage: int, *extra: str) -> list[str]:
+    args = train_args(small_job, f"zero{stage}.json", out, "--max-steps", str(STEPS), *extra)
+    args[args.index("--deepspeed") + 1] = str(adaptive_config(small_job, out, stage))
+    return args
+
+
+def log_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "schedule.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(small_job, tmp_path_factory) -> Path:
+    """The adaptive hook run, ZeRO-3, under the deepspeed launcher: 9 steps, 3 windows."""
+    out = tmp_path_factory.mktemp("adaptive_whole")
+    check(run_deepspeed(hook_args(small_job, out, 3), timeout=300))
+    return out
+
+
+def test_every_window_is_drawn_at_the_shares_the_window_before_gave(uninterrupted):
+    plan = Plan.load(uninterrupted / "plan")
+    log = log_of(uninterrupted)
+    assert [line["window"] for line in log] == [0, 1]  # window 2 closes after the last step
+    natural = plan.cluster_sizes / plan.cluster_sizes.sum()
+    steps: dict[int, list[int]] = {}  # optimizer step (from 0) -> the indices both ranks trained in it
+    for rank in range(2):
+        for number, record in enumerate(read_trace(uninterrupted, rank)):
+            steps.setdefault(number // plan.gradient_accumulation_steps, []).extend(record["indices"])
+    assert sorted(steps) == list(range(STEPS))
+    # Holding out the probe set makes a cluster's pool smaller, never its share: the draws are the shares'.
+    for window, shares in enumerate([natural] + [np.array(line["shares"]) for line in log]):
+        drawn = [index for step in range(window * ADAPT_EVERY, (window + 1) * ADAPT_EVERY) for index in steps[step]]
+        counts = np.bincount(plan.labels[drawn], minlength=plan.num_clusters)
+        assert counts.tolist() == window_draws(shares, ADAPT_EVERY * plan.global_batch_size).tolist(), window
+    # The loss rule moves the shares towards the clusters whose losses are higher; the log says what it read.
+    assert log[0]["shares"] != pytest.approx(natural.tolist()) and all(line["train_loss"] for line in log)
+    assert all(line["probe_loss"] is not None for line in log)
+    digests = {json.loads((uninterrupted / f"summary_rank{r}.json").read_text())["parameter_digest"] for r in (0, 1)}
+    assert len(digests) == 1
+
+
+def test_a_rank_killed_mid_window_resumes_to_the_same_shares_indices_and_losses(uninterrupted, small_job, tmp_path):
+    parts = tmp_path / "parts"
+    # Rank 1 dies (SIGKILL) right after step 5; the last checkpoint is step 4's, inside window 1 (steps 4 to 6).
+    killed = run_deepspeed([WORKER, *hook_args(small_job, parts, 3, "--save-every", "2")[2:]], timeout=300,
+                           env_extra={KILL_AFTER_STEP_VAR: "5"})
+    assert killed.returncode != 0
+    assert (parts / "checkpoints" / "latest").read_text().strip() == "global_step4"
+    lines_before = {rank: len(read_trace(parts, rank)) for rank in range(2)}
+    gas = Plan.load(parts / "plan").gradient_accumulation_steps
+    # Relaunched through mpirun: the checkpoint, not the launcher, carries the schedule.
+    check(run_mpirun(hook_args(small_job, parts, 3, "--save-every", "2", "--resume"), timeout=300))
+    for rank in range(2):
+        expected, trace = read_trace(uninterrupted, rank), read_trace(parts, rank)
+        replayed = trace[:4 * gas] + trace[lines_before[rank]:]
+        assert [r["indices"] for r in replayed] == [r["indices"] for r in expected], f"rank {rank}"
+        assert np.allclose([r["loss"] for r in replayed], [r["loss"] for r in expected], rtol=0, atol=1e-6)
+    assert log_of(parts) == log_of(uninterrupted)  # the same figures, the same shares
+
+
+def test_ranks_whose_shares_disagree_stop_on_every_rank(small_job, tmp_path):
+    out = tmp_path / "out"
+    result = run_mpirun([WORKER, *hook_args(small_job, out, 1, "--bf16")[2:]], timeout=180,
+                        env_extra={SKEW_SHARES_VAR: "1"})
+    assert_failed_on_every_rank(result, "ranks disagree on the adaptive schedule's shares after window 0", 1.0)
+
+
+def test_a_zero1_bf16_run_under_mpirun_trains_window_by_window(small_job, tmp_path):
+    out = tmp_path / "zero1"
+    check(run_mpirun(hook_args(small_job, out, 1, "--bf16"), timeout=300))
+    assert [line["window"] for line in log_of(out)] == [0, 1]
+    assert all(sum(line["shares"]) == pytest.approx(1.0) for line in log_of(out))
+
+
+def _trainer(small_job: Path, folder: Path, out: Path, *extra: str):
+    config = adaptive_config(small_job, folder, 3, schedule_log=str(out / "schedule.jsonl"))
+    return run_deepspeed([str(HF_WORKER), "--deepspeed", str(config), "--model", str(small_job / "model"),
+                          "--data", str(small_job / "train.jsonl"), "--out", str(out), "--max-steps", str(STEPS),
+                          "--save-steps", "4", *extra], timeout=300)
+
+
+def test_cluster_trainer_runs_the_adaptive_schedule_and_resumes_mid_window(small_job, tmp_path):
+    whole = tmp_path / "whole"
+    check(_trainer(small_job, tmp_path / "config", whole))
+    assert [line["window"] for line in log_of(whole)] == [0, 1]
+    resumed = tmp_path / "resumed"
+    check(_trainer(small_job, tmp_path / "config", resumed, "--resume", str(whole / "checkpoint-4")))
+    gas = json.loads((REPO / "ds_configs" / "zero3.json").read_text())["gradient_accumulation_steps"]
+    for rank in range(2):
+        expected, got = read_trace(whole, rank)[4 * gas:], read_trace(resumed, rank)
+        assert [r["indices"] for r in got] == [r["indices"] for r in expected], f"rank {rank}"
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], abs=1e-5)
+    # The resumed run closes window 1 (steps 4 to 6) with the figures the uninterrupted run logged for it.
+    assert log_of(resumed) == [line for line in log_of(whole) if line["window"] >= 1]
+
+
+def test_cluster_sft_trainer_draws_its_windows_at_the_logged_shares(small_job, tmp_path):
+    out = tmp_path / "sft"
+    # SFTTrainer tokenizes the records itself: its rows are not the small job's, so the job analyses them.
+    config = adaptive_config(small_job, tmp_path / "config", 3, schedule_log=str(out / "schedule.jsonl"),
+                             analysis_path=str(tmp_path / "analysis"))
+    check(run_deepspeed([str(SFT_WORKER), "--deepspeed", str(config), "--model", str(small_job / "model"),
+                         "--data", str(small_job / "train.jsonl"), "--out", str(out), "--max-steps", str(STEPS),
+                         "--save-steps", "100"], timeout=300, env_extra={"HF_HUB_DISABLE_TELEMETRY": "1"}))
+    log = log_of(out)
+    assert [line["window"] for line in log] == [0, 1]
+    run = json.loads((out / "run.json").read_text())
+    labels, natural = np.array(run["labels"]), np.array(run["cluster_sizes"]) / sum(run["cluster_sizes"])
+    traces = [read_trace(out, rank) for rank in range(2)]
+    per_step = len(traces[0]) // STEPS  # micro-batches per optimizer step on each rank
+    for window, shares in enumerate([natural] + [np.array(line["shares"]) for line in log]):
+        drawn = [index for trace in traces for record in trace[window * ADAPT_EVERY * per_step:
+                                                               (window + 1) * ADAPT_EVERY * per_step]
+                 for index in record["indices"]]
+        counts = np.bincount(labels[drawn], minlength=BLOCK["num_clusters"])
+        assert counts.tolist() == window_draws(shares, len(drawn)).tolist(), window
+    assert all(line["train_loss"] for line in log) and all(line["probe_loss"] is not None for line in log)
