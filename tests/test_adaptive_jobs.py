@@ -152,3 +152,11 @@ def test_cluster_sft_trainer_draws_its_windows_at_the_logged_shares(small_job, t
         counts = np.bincount(labels[drawn], minlength=BLOCK["num_clusters"])
         assert counts.tolist() == window_draws(shares, len(drawn)).tolist(), window
     assert all(line["train_loss"] for line in log) and all(line["probe_loss"] is not None for line in log)
+    # The Trainer's log carries the per-cluster figures: samples trained so far (both ranks) at each logged step.
+    logged = [entry for entry in run["log_history"] if "loss" in entry]
+    assert logged, run["log_history"]
+    for entry in logged:
+        upto = [index for trace in traces for record in trace[:entry["step"] * per_step] for index in record["indices"]]
+        counts = np.bincount(labels[upto], minlength=BLOCK["num_clusters"])
+        assert [entry[f"cluster_{c}/samples"] for c in range(BLOCK["num_clusters"])] == counts.tolist()
+        assert sum(entry[f"cluster_{c}/share"] for c in range(BLOCK["num_clusters"])) == pytest.approx(1.0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import html
 import json
 import subprocess
 import sys
@@ -118,6 +119,15 @@ def test_report_writes_the_page_with_a_family_table(analysis: Path, tmp_path: Pa
     page = index.read_text()
     assert "Purity" in page and "categories.png" in page and "projection.png" in page
     assert (tmp_path / "report" / "categories.png").stat().st_size > 0
+    # What each cluster holds, from the manifest's records: the prompts nearest each centre, as the user wrote them.
+    records = [json.loads(line) for line in (analysis.parent / "train.jsonl").read_text().splitlines()]
+    shown = [record["instruction"] for record in records if html.escape(" ".join(record["instruction"].split())[:40])
+             in page]
+    assert len(shown) >= 3, "no example prompt of the records in the page"
+    assert main(["report", "--analysis", str(analysis), "--deepspeed", str(CONFIG), "--world-size", "2",
+                 "--out", str(tmp_path / "hidden"), "--no-text"]) == 0
+    hidden = (tmp_path / "hidden" / "index.html").read_text()
+    assert "Purity" in hidden and not any(html.escape(" ".join(text.split())[:40]) in hidden for text in shown)
 
 
 def dry_run(capsys, *args: str) -> str:

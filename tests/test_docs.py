@@ -85,7 +85,7 @@ def _doc_names() -> list[tuple[str, str]]:
             head = dotted.split(".")[0]
             # Names of this package (ds_cluster.x, or a module's short name such as plan_setup.setup_cluster_loader).
             if head == "ds_cluster" or (head in modules and head not in OTHER_PACKAGES
-                                        and not dotted.endswith((".py", ".md", ".json", ".npy"))):
+                                        and not dotted.endswith((".py", ".md", ".json", ".jsonl", ".npy"))):
                 names.append((path.name, dotted))
     return names
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from ds_cluster import ClusterSamplingConfig, Plan, build_plan
+from ds_cluster.report.clusters import describe_clusters, distinguishing_words
 from ds_cluster.report.page import write_report
 from ds_cluster.report.summary import (cluster_category_counts, cluster_counts_per_rank_step, pca_projection,
                                        schedule_coverage)
@@ -31,6 +32,16 @@ def blobs() -> tuple[np.ndarray, list[str]]:
     families = [FAMILIES[i] for i in family_ids]
     families[0] = "sort"  # a stray: purity just below 1
     return features, families
+
+
+# Each family's prompts share its own words and the words every family uses ("please", "following").
+PROMPT_WORDS = {"add": ("add", "numbers", "sum"), "sort": ("sort", "list", "ascending"),
+                "reverse": ("reverse", "string", "backwards")}
+
+
+def prompts_of(families: list[str]) -> list[str]:
+    return [f"Please {PROMPT_WORDS[family][0]} the following {PROMPT_WORDS[family][1]} "
+            f"({PROMPT_WORDS[family][2]}), case {index}: item{index % 7}" for index, family in enumerate(families)]
 
 
 def make_plan(features: np.ndarray, paper: bool = False) -> Plan:
@@ -113,6 +124,58 @@ def test_report_folder_is_self_contained(tmp_path: Path, blobs, plan: Plan):
     assert purity > 0.95 and f"Purity {purity:.3f}" in page  # blobs are families, bar a stray and the cap
 
 
+def test_each_cluster_is_described_by_its_own_words_categories_and_central_prompts(blobs, plan: Plan):
+    features, families = blobs
+    prompts = prompts_of(families)
+    descriptions = describe_clusters(plan, prompts=prompts, categories=families)
+    assert [d.cluster for d in descriptions] == list(range(plan.num_clusters))
+    for d in descriptions:
+        members = np.flatnonzero(plan.labels == d.cluster)
+        assert (d.size, d.kept) == (len(members), int(np.isin(plan.selected, members).sum()))
+        majority = d.categories[0][0]
+        assert sum(count for _, count in d.categories) == d.size
+        # The words that set a cluster apart are its family's, never the words every family shares.
+        assert set(d.words[:3]) == set(PROMPT_WORDS[majority]), (majority, d.words)
+        assert not {"please", "following", "case"} & set(d.words)
+        # The examples are the members nearest their k-means centre, in that order.
+        nearest = members[np.argsort(plan.distances[members], kind="stable")[:3]]
+        assert d.examples == [prompts[i] for i in nearest]
+    weight_of = {int(plan.labels[i]): float(plan.weights[i]) for i in plan.selected}
+    assert [d.weight for d in descriptions] == [weight_of.get(c, 0.0) for c in range(plan.num_clusters)]
+
+
+def test_without_text_a_cluster_keeps_its_figures_and_loses_its_words_and_prompts(blobs, plan: Plan):
+    features, families = blobs
+    with_text = describe_clusters(plan, prompts=prompts_of(families), categories=families)
+    without = describe_clusters(plan, prompts=None, categories=families)
+    assert all(d.words == [] and d.examples == [] for d in without)
+    assert [(d.size, d.kept, d.weight, d.categories) for d in without] == \
+        [(d.size, d.kept, d.weight, d.categories) for d in with_text]
+    with pytest.raises(ValueError, match="prompts has 2 entries but the plan 300 samples"):
+        describe_clusters(plan, prompts=["a", "b"])
+
+
+def test_distinguishing_words_small_exact_case():
+    prompts = ["red apple", "red cherry", "blue sky", "blue sea", "green"]
+    labels = np.array([0, 0, 1, 1, -1])
+    assert distinguishing_words(prompts, labels, 3, num_words=2) == [["red", "apple"], ["blue", "sea"], []]
+    assert distinguishing_words(["the", "and"], np.array([0, 1]), 2) == [[], []]  # stop words only
+
+
+def test_the_page_shows_what_each_cluster_holds_and_no_text_when_told(tmp_path: Path, blobs, plan: Plan):
+    features, families = blobs
+    prompts = prompts_of(families)
+    prompts[0] = "Please add <b>bold</b> & more"  # a record's text is escaped, never markup
+    page = write_report(tmp_path / "with", plan, features=features, categories=families, prompts=prompts).read_text()
+    assert "What each cluster holds" in page and "ascending" in page and "<b>bold" not in page
+    described = describe_clusters(plan, prompts=prompts, categories=families)
+    for example in (e for d in described for e in d.examples):
+        assert html.escape(example) in page
+    hidden = write_report(tmp_path / "without", plan, features=features, categories=families, prompts=prompts,
+                          include_text=False).read_text()
+    assert "--no-text" in hidden and not any(words in hidden for words in ("ascending", "backwards", "Please"))
+
+
 def test_report_without_features_or_families_says_so(tmp_path: Path, plan: Plan):
     page = write_report(tmp_path, plan).read_text()
     assert len(image_sources(page)) == 3
@@ -173,7 +236,8 @@ def console_messages(stderr: str) -> list[str]:
 @pytest.mark.browser
 def test_report_renders_in_headless_chromium(chromium: str, tmp_path: Path, blobs, plan: Plan):
     features, families = blobs
-    index = write_report(tmp_path / "report", plan, features=features, categories=families)
+    index = write_report(tmp_path / "report", plan, features=features, categories=families,
+                         prompts=prompts_of(families))
     page = index.read_text()
     probe = index.parent / "probe.html"
     probe.write_text(page.replace("<head>", "<head>\n" + PROBE_SCRIPT, 1))
@@ -187,6 +251,10 @@ def test_report_renders_in_headless_chromium(chromium: str, tmp_path: Path, blob
     assert sorted(src for src, _ in result["images"]) == sorted(image_sources(page))
     assert all(width > 0 for _, width in result["images"]), result["images"]
     assert console_messages(dumped.stderr) == []
+    # What each cluster holds reached the rendered page: the section, its words and its example prompts.
+    rendered = html.unescape(re.sub(r"<[^>]+>", " ", dumped.stdout))
+    assert "What each cluster holds" in rendered and "backwards" in rendered
+    assert re.search(r"Please reverse the following string \(backwards\), case \d+", rendered)
 
     screenshot = tmp_path / "screenshot.png"
     shot = run_chromium(chromium, tmp_path / "profile", "--window-size=1200,2400", f"--screenshot={screenshot}",

@@ -12,10 +12,10 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from ds_cluster.cli import analyze, plan, report, train
+from ds_cluster.cli import analyze, export, plan, report, train
 from ds_cluster.cli.common import FORMATTER, add_launcher_options
 
-SUBCOMMANDS = (analyze, plan, report, train)
+SUBCOMMANDS = (analyze, plan, report, export, train)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,10 @@ examples:
 The folder holds index.html and PNG plots: cluster sizes against kept sizes, the weight
 distribution, the samples of each cluster per rank and step of epoch 0, a 2-D PCA projection of
 the features coloured by cluster, and, when the analysed data has a `category` (or `family`)
-column (the manifest's data path, or --data), clusters against categories with their purity.
+column (the manifest's data path, or --data), clusters against categories with their purity; and what
+each cluster holds: its size, kept count, weight and category mix, the words of its prompts that set it
+apart from the other clusters (TF-IDF), and the three prompts nearest its centre, cut short. --no-text
+leaves every record's text (words and prompts) out of the page.
 """
 
 
@@ -30,15 +33,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_plan_inputs(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="folder for index.html and the PNG files")
     parser.add_argument("--data", default=None, metavar="DATA",
-                        help="records with a `category` (or `family`) field, one per analysed sample (default: the data path in "
-                             "the analysis's manifest.json)")
+                        help="the analysed records, one per sample, for their prompts and `category` (or `family`) "
+                             "field (default: the data path in the analysis's manifest.json)")
+    parser.add_argument("--no-text", action="store_true",
+                        help="leave the records' text (distinguishing words, example prompts) out of the report")
     parser.add_argument("--max-points", type=int, default=4000,
                         help="samples drawn for the 2-D projection (default 4000; a seeded random subset)")
     parser.set_defaults(handler=run)
 
 
-def read_categories(analysis: Path, data: Optional[str], num_samples: int) -> Optional[list[str]]:
-    """The category of every analysed sample (its `category`, else `family` field), or None when there is none."""
+def read_records_of(analysis: Path, data: Optional[str], num_samples: int) -> Optional[list[dict]]:
+    """The analysed records (--data, else the manifest's data path), or None when they are not there or do not
+    match the analysis one for one."""
     from ds_cluster.analysis.folder import AnalysisDir
     from ds_cluster.data.dataset import read_records
 
@@ -49,24 +55,35 @@ def read_categories(analysis: Path, data: Optional[str], num_samples: int) -> Op
         if data:
             logger.warning("data %s not found: the report has no cluster-versus-category table", data)
         return None
-    categories = [str(record.get("category", record.get("family", ""))) for record in read_records(data)]
-    if len(categories) != num_samples:
-        logger.warning("%s has %d records but the analysis %d samples: no category table", data, len(categories),
-                       num_samples)
+    records = read_records(data)
+    if len(records) != num_samples:
+        logger.warning("%s has %d records but the analysis %d samples: no category table, no prompts", data,
+                       len(records), num_samples)
         return None
+    return records
+
+
+def categories_of(records: Optional[list[dict]]) -> Optional[list[str]]:
+    """The category of every record (its `category`, else `family` field), or None when there is none."""
+    if records is None:
+        return None
+    categories = [str(record.get("category", record.get("family", ""))) for record in records]
     return categories if any(categories) else None
 
 
 def run(args: argparse.Namespace) -> int:
+    from ds_cluster.data.dataset import prompt_text
     from ds_cluster.report.page import write_report
 
     analysis = Path(args.analysis)
     try:
         plan, inputs = build_plan_from_args(args)
-        categories = read_categories(analysis, args.data, plan.num_samples)
+        records = read_records_of(analysis, args.data, plan.num_samples)
+        prompts = None if records is None else [prompt_text(record, i) for i, record in enumerate(records)]
     except (ValueError, FileNotFoundError) as err:
         return input_error("report", err)
-    index = write_report(args.out, plan, features=inputs.features, categories=categories,
+    index = write_report(args.out, plan, features=inputs.features, categories=categories_of(records),
+                         prompts=prompts, include_text=not args.no_text,
                          title=f"ds_cluster report: {analysis}",
                          sources={"analysis": str(analysis), "DeepSpeed config": str(args.deepspeed)},
                          max_projection_points=args.max_points)

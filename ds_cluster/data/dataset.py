@@ -122,6 +122,19 @@ def _prompt_and_response(record: Mapping[str, Any], index: int) -> tuple[str, st
     return format_prompt(record), record["output"]
 
 
+def prompt_text(record: Mapping[str, Any], index: int = 0) -> str:
+    """What the user asked, as plain text (no template): an Alpaca record's instruction and input, a
+    prompt/completion record's prompt, a chat record's turns before its last assistant turn. For reading
+    (the report's cluster descriptions), never for training."""
+    if chat_field(record) is not None:
+        messages = chat_messages(record, index)
+        last = max(turn for turn, message in enumerate(messages) if message["role"] == "assistant")
+        return "\n".join(message["content"] for message in messages[:last])
+    if record.get("prompt") is not None and record.get("instruction") is None:
+        return str(record["prompt"])
+    return "\n".join(str(record[field]) for field in ("instruction", "input") if record.get(field))
+
+
 class InstructionDataset(Dataset):
     """Fixed-length tokenized instruction records, all tensors built once up front.
 

@@ -26,6 +26,7 @@ from ds_cluster.batching import BatchShape
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.ds_config import cluster_block, config_in_call, read_ds_config
 from ds_cluster.integrations.setup import ClusterSetup, TrainerAdapter
+from ds_cluster.loader.figures import figure_events
 from ds_cluster.loader.loss import SAMPLE_LOSSES, probe_losses
 from ds_cluster.loader.sampler import ClusterDataLoader
 
@@ -136,10 +137,13 @@ def _initialize(original: Callable, *args: Any, **kwargs: Any):
     cluster_setup.check(world_size=None if arguments.get("mpu") is not None else distributed.get_world_size())
 
     engine, optimizer, _, lr_scheduler = original(**arguments)
-    loader = cluster_setup.build_loader(hook_adapter(engine, collate_fn))
+    adapter = hook_adapter(engine, collate_fn)
+    loader = cluster_setup.build_loader(adapter)
     engine.training_dataloader = loader
     attach_checkpoint_state(engine, loader, cluster_setup)
     attach_loss_recording(engine, loader)
+    if getattr(getattr(engine, "monitor", None), "enabled", False):
+        attach_monitor(engine, loader, adapter.data_parallel.sum)
     return engine, optimizer, loader, lr_scheduler
 
 
@@ -168,6 +172,25 @@ def attach_loss_recording(engine: Any, loader: ClusterDataLoader) -> None:
         return backward(loss, *args, **kwargs)
 
     engine.backward = backward_recording
+
+
+def attach_monitor(engine: Any, loader: ClusterDataLoader, sum_over_ranks: Callable[[Any], Any]) -> None:
+    """Make `engine.step()` write the per-cluster figures to the DeepSpeed config's monitors (TensorBoard, W&B,
+    Comet, CSV) at each optimizer step, where DeepSpeed writes its own `Train/Samples/lr`, with the same step
+    (`global_samples`). Summing the figures over the data-parallel ranks is one small collective per step."""
+    step = engine.step
+
+    @functools.wraps(step)
+    def step_with_figures(*args: Any, **kwargs: Any) -> Any:
+        boundary = engine.is_gradient_accumulation_boundary()  # before the step moves the micro-step on
+        result = step(*args, **kwargs)
+        if boundary:
+            figures = loader.figures.report(sum_over_ranks)
+            if distributed.get_rank() == 0:
+                engine.monitor.write_events(figure_events(figures, loader.current_shares(), engine.global_samples))
+        return result
+
+    engine.step = step_with_figures
 
 
 # -------------------------------------------------------------- checkpoints

@@ -45,6 +45,7 @@ from ds_cluster.data.dataset import trim_padding
 from ds_cluster.fileio import write_json_atomic
 from ds_cluster.integrations.setup import ClusterSetup, TrainerAdapter
 from ds_cluster.loader.adaptive import AdaptiveDataLoader
+from ds_cluster.loader.figures import figure_logs
 from ds_cluster.loader.loss import LOSS_NORMALIZER, SAMPLE_LOSSES, probe_losses, weighted_causal_lm_loss
 from ds_cluster.planning.plan import Plan
 from ds_cluster.loader.sampler import SAMPLE_INDEX, SAMPLE_WEIGHT, ClusterDataLoader
@@ -112,6 +113,10 @@ def resolve_cluster_config(config: Union[None, ClusterSamplingConfig, Mapping[st
     return ClusterSamplingConfig.from_ds_config(ds_config)
 
 
+# The key of Trainer's training-loss log entries (evaluation logs "eval_loss", the run's end "train_loss").
+TRAINING_LOSS_LOG = "loss"
+
+
 class ClusterSamplingMixin:
     """Cluster-balanced batches and the weighted loss for a `transformers.Trainer` subclass.
 
@@ -144,6 +149,7 @@ class ClusterSamplingMixin:
         self.plan: Optional[Plan] = None
         self.cluster_setup: Optional[ClusterSetup] = None
         self.cluster_loader: Optional[ClusterDataLoader] = None
+        self._sum_over_ranks: Optional[Callable[[Any], Any]] = None
         self._resume_checkpoint: Optional[str] = None
         if self.args.deepspeed:
             self.add_callback(_ReleaseSharedMemory())
@@ -164,8 +170,19 @@ class ClusterSamplingMixin:
                                           everyone=adapter.data_parallel, ds_config=ds_config,
                                           source=str(self.args.deepspeed) if self.args.deepspeed else "cluster_config")
         self.cluster_loader = self.cluster_setup.build_loader(adapter, check_world_size=adapter.shape.world_size)
+        self._sum_over_ranks = adapter.data_parallel.sum
         self.plan = self.cluster_loader.plan
         return self.plan
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Trainer's `log`, with the per-cluster figures since the last training log added to the training loss's
+        entry: `cluster_<c>/train_loss` (the clusters trained since), `cluster_<c>/samples` (trained so far) and,
+        with the adaptive schedule, `cluster_<c>/share`; every `report_to` integration receives them."""
+        if self.cluster_loader is not None and TRAINING_LOSS_LOG in logs:
+            # Trainer logs the training loss on every rank (after gathering it): the figures' sum is collective too.
+            figures = self.cluster_loader.figures.report(self._sum_over_ranks)
+            logs = {**logs, **figure_logs(figures, self.cluster_loader.current_shares())}
+        super().log(logs, *args, **kwargs)
 
     def trainer_adapter(self, collate_fn: Optional[Any] = None, loader_dataset: Any = None) -> TrainerAdapter:
         """The Trainer's place among the trainers: every rank is a data-parallel rank (checked), the batch is

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ds_cluster.collectives import Collectives
-from ds_cluster.loader.sampler import ClusterDataLoader, response_token_counts
+from ds_cluster.loader.sampler import ClusterDataLoader, loss_arrays, response_token_counts
 from ds_cluster.planning.allocation import Stratified, batch_quotas
 from ds_cluster.planning.plan import Plan
 from ds_cluster.planning.schedule import ADAPTIVE_RULES, WindowFigures, auto_stop, to_fixed_point, window_draws
@@ -151,12 +151,16 @@ class AdaptiveDataLoader(ClusterDataLoader):
         """Hand over the per-sample losses of one micro-batch (each sample's mean response-token loss): the
         figures the next window's shares come from. `weighted_causal_lm_loss` does it through the hook and the
         Trainers; a training loop with its own loss calls this once per micro-batch."""
-        indices = np.asarray(torch.as_tensor(sample_index).detach().cpu(), dtype=np.int64).reshape(-1)
-        values = np.asarray(torch.as_tensor(losses).detach().float().cpu(), dtype=np.float64).reshape(-1)
+        indices, values = loss_arrays(sample_index, losses)
+        self.figures.add(indices, values)
         clusters = self.plan.labels[indices]
         num_clusters = self.plan.num_clusters
         np.add.at(self._local, clusters, to_fixed_point(values))
         np.add.at(self._local, num_clusters + clusters, 1)
+
+    def current_shares(self) -> Optional[list[float]]:
+        """Each cluster's sampling share in the window being drawn."""
+        return [float(share) for share in self._origin["shares"]]
 
     # ------------------------------------------------------------ windows
     def _has_pool(self) -> np.ndarray:

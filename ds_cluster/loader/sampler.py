@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ds_cluster.data.dataset import IGNORE_INDEX, trim_padding
+from ds_cluster.loader.figures import ClusterFigures
 from ds_cluster.loader.loss import LOSS_NORMALIZER
 from ds_cluster.planning.plan import Plan
 
@@ -25,6 +26,13 @@ SAMPLE_WEIGHT = "sample_weight"
 # 2 adds the optimizer step the state was saved at; a version 1 state (without it) still loads.
 STATE_VERSION = 2
 READABLE_STATE_VERSIONS = (1, 2)
+
+
+def loss_arrays(sample_index: Any, losses: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A micro-batch's sample indices (int64) and per-sample losses (float64) as flat numpy arrays."""
+    indices = np.asarray(torch.as_tensor(sample_index).detach().cpu(), dtype=np.int64).reshape(-1)
+    values = np.asarray(torch.as_tensor(losses).detach().float().cpu(), dtype=np.float64).reshape(-1)
+    return indices, values
 
 
 class WeightedDataset(Dataset):
@@ -111,6 +119,7 @@ class ClusterDataLoader:
         self._schedule_epoch: Optional[int] = None
         self._schedule: Optional[np.ndarray] = None
         self.loss_reduction = str(plan.settings.get("loss_reduction", "sample"))
+        self.figures = ClusterFigures(plan.labels, plan.num_clusters)  # what a monitor shows per cluster
         self._sum_over_ranks = sum_over_ranks
         self._token_counts: Optional[np.ndarray] = None
         self._normalizers_epoch: Optional[int] = None
@@ -190,7 +199,15 @@ class ClusterDataLoader:
         yield from self.prepare_epoch(self.epoch).tolist()
 
     def record_losses(self, sample_index: Any, losses: Any) -> None:
-        """Per-sample losses of a micro-batch: the static plan does not use them (the adaptive schedule does)."""
+        """Hand over the per-sample losses of one micro-batch (each sample's mean response-token loss). The static
+        plan does not change with them; the per-cluster figures a monitor shows (`figures`) count them, and the
+        adaptive schedule learns from them. `weighted_causal_lm_loss` does it through the hook and the Trainers;
+        a training loop with its own loss calls this once per micro-batch."""
+        self.figures.add(*loss_arrays(sample_index, losses))
+
+    def current_shares(self) -> Optional[list[float]]:
+        """Each cluster's sampling share now: None for the static plan (its shares never change)."""
+        return None
 
     def set_epoch(self, epoch: int) -> None:
         """Start the given epoch from its beginning (DistributedSampler's convention)."""

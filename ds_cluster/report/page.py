@@ -12,6 +12,7 @@ import numpy as np
 
 from ds_cluster.fileio import write_text_atomic
 from ds_cluster.planning.plan import Plan
+from ds_cluster.report.clusters import ClusterDescription, describe_clusters
 from ds_cluster.report.plots import (plot_category_heatmap, plot_cluster_sizes, plot_projection, plot_rank_step_heatmap,
                                      plot_weights)
 from ds_cluster.report.summary import (cluster_category_counts, cluster_counts_per_rank_step, pca_projection,
@@ -29,6 +30,8 @@ td, th { border: 1px solid #ccc; padding: 2px 8px; text-align: right; }
 th { background: #f0f0f0; } td.name, th.name { text-align: left; }
 img { max-width: 100%; border: 1px solid #eee; }
 p.note { color: #555; font-size: 0.9em; }
+td.text { text-align: left; font-size: 0.85em; max-width: 520px; }
+td.text ol { margin: 0; padding-left: 1.2em; }
 """
 
 
@@ -107,12 +110,40 @@ def _categories_section(plan: Plan, categories: Optional[Sequence[str]], out: Pa
     return parts
 
 
+def _clusters_section(descriptions: Sequence[ClusterDescription], text_left_out: bool) -> list[str]:
+    parts = ["<h2>What each cluster holds</h2>"]
+    if text_left_out:
+        parts.append('<p class="note">The records\' text is left out of this report (--no-text): no words, no '
+                     'example prompts.</p>')
+    elif not any(d.examples for d in descriptions):
+        parts.append('<p class="note">No prompt text was given (the data was not found): no words, no example '
+                     'prompts.</p>')
+    else:
+        parts.append('<p class="note">Words: the prompt words whose TF-IDF weight in the cluster most exceeds their '
+                     'weight in the other clusters. Examples: the prompts nearest the cluster\'s centre in feature '
+                     'space, cut short.</p>')
+    header = ["cluster", "size", "kept", "weight", "categories", "words", "prompts nearest the centre"]
+    rows = ["<table>", "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"]
+    for d in descriptions:
+        mix = ", ".join(f"{name} {count}" for name, count in d.categories[:4])
+        if len(d.categories) > 4:
+            mix += f", {len(d.categories) - 4} more"
+        examples = "".join(f"<li>{html.escape(example)}</li>" for example in d.examples)
+        rows.append(f"<tr><td>{d.cluster}</td><td>{d.size}</td><td>{d.kept}</td><td>{d.weight:.3f}</td>"
+                    f'<td class="text">{html.escape(mix)}</td><td class="text">{html.escape(", ".join(d.words))}</td>'
+                    f'<td class="text">{"<ol>" + examples + "</ol>" if examples else ""}</td></tr>')
+    rows.append("</table>")
+    return parts + ["\n".join(rows)]
+
+
 def write_report(
     out_dir: Union[str, Path],
     plan: Plan,
     *,
     features: Optional[np.ndarray] = None,
     categories: Optional[Sequence[str]] = None,
+    prompts: Optional[Sequence[str]] = None,
+    include_text: bool = True,
     title: str = "ds_cluster plan report",
     sources: Optional[dict[str, str]] = None,
     max_projection_points: int = 4000,
@@ -121,7 +152,10 @@ def write_report(
 
     features: the analysis's (N, d) features, for the 2-D projection (skipped when None);
     categories: a category per sample (N; a task family, say), for the cluster-versus-category table
-    (skipped when None); sources: name -> value lines shown at the top (config, analysis...).
+    (skipped when None); prompts: the prompt text of every sample (N), for what each cluster holds (its
+    distinguishing words and the prompts nearest its centre); include_text=False leaves every record's text out
+    of the page (for data that must not be copied into a report); sources: name -> value lines shown at the top
+    (config, analysis...).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -129,6 +163,8 @@ def write_report(
     if sources:
         parts.append(_table(["input", "value"], sorted(sources.items()), names=2))
     parts += _plan_section(plan, out)
+    descriptions = describe_clusters(plan, prompts=prompts if include_text else None, categories=categories)
+    parts += _clusters_section(descriptions, text_left_out=not include_text)
     parts.append("<h2>Schedule: samples of each cluster per rank and step</h2>")
     parts.append(_figure(plot_rank_step_heatmap(cluster_counts_per_rank_step(plan, epoch=0),
                                                 out / "rank_step_heatmap.png"),
