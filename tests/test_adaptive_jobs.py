@@ -76,6 +76,18 @@ def test_every_window_is_drawn_at_the_shares_the_window_before_gave(uninterrupte
     assert len(digests) == 1
 
 
+def test_the_report_plots_the_adaptive_runs_shares_and_losses(uninterrupted, small_job, tmp_path):
+    from ds_cluster.cli import main
+
+    assert main(["report", "--analysis", str(small_job / "analysis"), "--deepspeed", str(uninterrupted / "ds_config.json"),
+                 "--world-size", "2", "--schedule-log", str(uninterrupted / "schedule.jsonl"),
+                 "--out", str(tmp_path / "report"), "--no-text"]) == 0
+    page = (tmp_path / "report" / "index.html").read_text()
+    last = log_of(uninterrupted)[-1]
+    assert "Adaptive schedule" in page and f"2 windows closed, up to optimizer step {last['step']}" in page
+    assert (tmp_path / "report" / "schedule.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_a_rank_killed_mid_window_resumes_to_the_same_shares_indices_and_losses(uninterrupted, small_job, tmp_path):
     parts = tmp_path / "parts"
     # Rank 1 dies (SIGKILL) right after step 5; the last checkpoint is step 4's, inside window 1 (steps 4 to 6).

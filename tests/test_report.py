@@ -176,6 +176,18 @@ def test_the_page_shows_what_each_cluster_holds_and_no_text_when_told(tmp_path: 
     assert "--no-text" in hidden and not any(words in hidden for words in ("ascending", "backwards", "Please"))
 
 
+def test_an_adaptive_runs_log_adds_its_shares_and_losses(tmp_path: Path, plan: Plan):
+    lines = [{"window": w, "step": 10 * (w + 1), "train_loss": [2.0 - w / 10, 1.5, None],
+              "probe_loss": None if w else [2.1, 1.6, 1.0], "shares": [0.5, 0.3, 0.2],
+              "samples_consumed": [20 * (w + 1), 12 * (w + 1), 8 * (w + 1)], "kept_fraction": 0.4 * (w + 1) / 3,
+              "stopped": [2] if w == 2 else [], "finished": w == 2} for w in range(3)]
+    page = write_report(tmp_path, plan, schedule_lines=lines).read_text()
+    assert "schedule.png" in image_sources(page) and (tmp_path / "schedule.png").stat().st_size > 0
+    assert "3 windows closed, up to optimizer step 30; samples consumed 120 of 300" in page
+    assert "clusters stopped: 2; the run finished" in page
+    assert "Adaptive schedule" not in write_report(tmp_path / "static", plan).read_text()
+
+
 def test_report_without_features_or_families_says_so(tmp_path: Path, plan: Plan):
     page = write_report(tmp_path, plan).read_text()
     assert len(image_sources(page)) == 3

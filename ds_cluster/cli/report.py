@@ -20,7 +20,9 @@ the features coloured by cluster, and, when the analysed data has a `category` (
 column (the manifest's data path, or --data), clusters against categories with their purity; and what
 each cluster holds: its size, kept count, weight and category mix, the words of its prompts that set it
 apart from the other clusters (TF-IDF), and the three prompts nearest its centre, cut short. --no-text
-leaves every record's text (words and prompts) out of the page.
+leaves every record's text (words and prompts) out of the page. With an adaptive run's schedule log
+(--schedule-log, or schedule.jsonl beside the analysis), the sampling shares and per-cluster loss of
+every window over the optimizer steps.
 """
 
 
@@ -35,6 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", default=None, metavar="DATA",
                         help="the analysed records, one per sample, for their prompts and `category` (or `family`) "
                              "field (default: the data path in the analysis's manifest.json)")
+    parser.add_argument("--schedule-log", default=None, metavar="JSONL",
+                        help="an adaptive run's schedule log, for its shares and per-cluster loss over the steps "
+                             "(default: schedule.jsonl beside the analysis folder, when there is one)")
     parser.add_argument("--no-text", action="store_true",
                         help="leave the records' text (distinguishing words, example prompts) out of the report")
     parser.add_argument("--max-points", type=int, default=4000,
@@ -63,6 +68,18 @@ def read_records_of(analysis: Path, data: Optional[str], num_samples: int) -> Op
     return records
 
 
+def read_schedule_log(analysis: Path, given: Optional[str]) -> Optional[list[dict]]:
+    """The lines of an adaptive run's schedule log (--schedule-log, else schedule.jsonl beside the analysis)."""
+    import json
+
+    path = Path(given) if given else analysis.absolute().parent / "schedule.jsonl"
+    if not path.is_file():
+        if given:
+            raise FileNotFoundError(f"--schedule-log {given} does not exist")
+        return None
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def categories_of(records: Optional[list[dict]]) -> Optional[list[str]]:
     """The category of every record (its `category`, else `family` field), or None when there is none."""
     if records is None:
@@ -80,10 +97,11 @@ def run(args: argparse.Namespace) -> int:
         plan, inputs = build_plan_from_args(args)
         records = read_records_of(analysis, args.data, plan.num_samples)
         prompts = None if records is None else [prompt_text(record, i) for i, record in enumerate(records)]
+        schedule_lines = read_schedule_log(analysis, args.schedule_log)
     except (ValueError, FileNotFoundError) as err:
         return input_error("report", err)
     index = write_report(args.out, plan, features=inputs.features, categories=categories_of(records),
-                         prompts=prompts, include_text=not args.no_text,
+                         prompts=prompts, include_text=not args.no_text, schedule_lines=schedule_lines,
                          title=f"ds_cluster report: {analysis}",
                          sources={"analysis": str(analysis), "DeepSpeed config": str(args.deepspeed)},
                          max_projection_points=args.max_points)

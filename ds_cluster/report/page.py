@@ -14,7 +14,7 @@ from ds_cluster.fileio import write_text_atomic
 from ds_cluster.planning.plan import Plan
 from ds_cluster.report.clusters import ClusterDescription, describe_clusters
 from ds_cluster.report.plots import (plot_category_heatmap, plot_cluster_sizes, plot_projection, plot_rank_step_heatmap,
-                                     plot_weights)
+                                     plot_schedule, plot_weights)
 from ds_cluster.report.summary import (cluster_category_counts, cluster_counts_per_rank_step, pca_projection,
                                        schedule_coverage)
 
@@ -136,6 +136,21 @@ def _clusters_section(descriptions: Sequence[ClusterDescription], text_left_out:
     return parts + ["\n".join(rows)]
 
 
+def _schedule_section(plan: Plan, lines: Sequence[dict], out: Path) -> list[str]:
+    last = lines[-1]
+    stopped = ", ".join(str(c) for c in last["stopped"]) or "none"
+    return ["<h2>Adaptive schedule</h2>",
+            f"<p>{len(lines)} windows closed, up to optimizer step {last['step']}; samples consumed "
+            f"{sum(last['samples_consumed'])} of {plan.num_samples} (kept fraction {last['kept_fraction']:.3f}); "
+            f"clusters stopped: {html.escape(stopped)}{'; the run finished' if last['finished'] else ''}.</p>",
+            _figure(plot_schedule(list(lines), plan.num_clusters, out / "schedule.png"),
+                    "sampling shares and per-cluster loss over the optimizer steps"),
+            _table(["cluster", "samples consumed", "last share", "last loss (training)"], [
+                (c, last["samples_consumed"][c], f"{last['shares'][c]:.3f}",
+                 "" if last["train_loss"][c] is None else f"{last['train_loss'][c]:.4f}")
+                for c in range(plan.num_clusters)])]
+
+
 def write_report(
     out_dir: Union[str, Path],
     plan: Plan,
@@ -144,6 +159,7 @@ def write_report(
     categories: Optional[Sequence[str]] = None,
     prompts: Optional[Sequence[str]] = None,
     include_text: bool = True,
+    schedule_lines: Optional[Sequence[dict]] = None,
     title: str = "ds_cluster plan report",
     sources: Optional[dict[str, str]] = None,
     max_projection_points: int = 4000,
@@ -154,7 +170,8 @@ def write_report(
     categories: a category per sample (N; a task family, say), for the cluster-versus-category table
     (skipped when None); prompts: the prompt text of every sample (N), for what each cluster holds (its
     distinguishing words and the prompts nearest its centre); include_text=False leaves every record's text out
-    of the page (for data that must not be copied into a report); sources: name -> value lines shown at the top
+    of the page (for data that must not be copied into a report); schedule_lines: an adaptive run's schedule
+    log (one dict per window), for its shares and per-cluster loss over the steps; sources: name -> value lines shown at the top
     (config, analysis...).
     """
     out = Path(out_dir)
@@ -165,6 +182,8 @@ def write_report(
     parts += _plan_section(plan, out)
     descriptions = describe_clusters(plan, prompts=prompts if include_text else None, categories=categories)
     parts += _clusters_section(descriptions, text_left_out=not include_text)
+    if schedule_lines:
+        parts += _schedule_section(plan, schedule_lines, out)
     parts.append("<h2>Schedule: samples of each cluster per rank and step</h2>")
     parts.append(_figure(plot_rank_step_heatmap(cluster_counts_per_rank_step(plan, epoch=0),
                                                 out / "rank_step_heatmap.png"),

@@ -125,3 +125,31 @@ def _cluster_colours(num_clusters: int) -> list:
 
     palette = colormaps["tab20" if num_clusters > 10 else "tab10"]
     return [palette(i % palette.N) for i in range(num_clusters)]
+
+
+def plot_schedule(lines: list[dict], num_clusters: int, path: Path) -> str:
+    """The adaptive schedule over the run: each cluster's sampling share and its loss (probe, else training) at
+    the end of every window, one line per cluster (a schedule log's lines, as rank 0 wrote them)."""
+    figure = _new_figure(9, 6)
+    share_axes, loss_axes = figure.subplots(2, 1, sharex=True)
+    steps = [line["step"] for line in lines]
+    colours = _cluster_colours(num_clusters)
+    for cluster in range(num_clusters):
+        shares = [line["shares"][cluster] for line in lines]
+        losses = [_tracked(line, cluster) for line in lines]
+        share_axes.plot(steps, shares, marker=".", color=colours[cluster], label=str(cluster))
+        loss_axes.plot(steps, losses, marker=".", color=colours[cluster])
+    share_axes.set_ylabel("sampling share of the next window")
+    share_axes.set_title(f"adaptive schedule: {len(lines)} windows, kept fraction {lines[-1]['kept_fraction']:.3f}"
+                         if lines else "adaptive schedule: no window closed")
+    loss_axes.set_ylabel("loss in the window (probe, else training)")
+    loss_axes.set_xlabel("optimizer step")
+    if num_clusters <= 16:
+        share_axes.legend(fontsize="small", ncol=min(num_clusters, 8), title="cluster")
+    return _save(figure, path)
+
+
+def _tracked(line: dict, cluster: int) -> float:
+    probe = line.get("probe_loss")
+    value = probe[cluster] if probe is not None and probe[cluster] is not None else line["train_loss"][cluster]
+    return float("nan") if value is None else float(value)
