@@ -607,6 +607,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              "and recommended with sample loss, at the headline fraction on every seed, each beside "
                              "a random subset of its kept count (run it as its own --name, e.g. quality_ablations)")
     parser.add_argument("--no-ablations", action="store_true", help="leave out the ablation rows")
+    parser.add_argument("--fractions", default=None, metavar="F,...",
+                        help="the kept fractions of the subset arms (default 0.3,0.5); the adaptive schedule's "
+                             "claim is at 0.3 (the 30%% arms' step count)")
     parser.add_argument("--equal-steps", action="store_true",
                         help="add random and recommended at 30%% kept trained to full data's step count (each "
                              "costs a full-data run)")
@@ -654,6 +657,11 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
         if unknown or not arms:
             raise SystemExit(f"--arms: unknown {unknown or 'empty list'}; choose from {','.join(KNOWN_ARMS)}")
         settings = replace(settings, arms=arms)
+    if args.fractions is not None:
+        fractions = tuple(float(value) for value in args.fractions.split(",") if value)
+        if not fractions or not all(0 < value < 1 for value in fractions):
+            raise SystemExit(f"--fractions: expected kept fractions in (0, 1), got {args.fractions!r}")
+        settings = replace(settings, fractions=fractions, headline_fraction=fractions[0])
     if args.ablations:
         settings = replace(settings, ablations=True)
     if args.no_ablations:

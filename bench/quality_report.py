@@ -159,6 +159,46 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
             "selection": extraction, "base": base_row}
 
 
+def loader_overhead(arms: list[dict], results: dict) -> dict[str, list[float]]:
+    """Per setting, each seed's loader wall time over its training loop's wall time."""
+    shares: dict[str, list[float]] = defaultdict(list)
+    for arm in arms:
+        result = results.get(arm["name"])
+        if result is not None and "loader_wall" in result["time"]:
+            shares[arm["setting"]].append(result["time"]["loader_wall"] / max(result["time"]["loop"]["wall"], 1e-9))
+    return dict(shares)
+
+
+def adaptive_choice_lines(summary: dict, candidates: dict) -> list[str]:
+    """bench/candidates.json's declared rule applied to the validation summary: among the adaptive candidates
+    at the subsets' step count, the lowest mean macro validation loss; among the auto candidates, the lower
+    mean macro loss of those whose mean total time is at most 0.5 of full data's (else the faster)."""
+    rows = summary["settings"]
+    fixed = {name: rows[f"{name}_f0.3"] for name, block in candidates.items()
+             if block.get("budget_ratio") != "auto" and f"{name}_f0.3" in rows}
+    auto = {name: rows[name] for name, block in candidates.items() if block.get("budget_ratio") == "auto"
+            and name in rows}
+    if not fixed and not auto:
+        return []
+    lines = ["## Choice (the declared rule, validation only)", ""]
+    if fixed:
+        best = min(fixed, key=lambda name: fixed[name]["loss_macro"]["mean"])
+        lines.append(f"- adaptive schedule: **{best}** (mean macro validation answer loss "
+                     f"{fixed[best]['loss_macro']['mean']:.4f}; the candidates: "
+                     + ", ".join(f"{n} {e['loss_macro']['mean']:.4f}" for n, e in sorted(
+                         fixed.items(), key=lambda item: item[1]["loss_macro"]["mean"])) + ")")
+    if auto:
+        fast = {n: e for n, e in auto.items() if e["ratio_total_cpu"]["mean"] <= 0.5}
+        pool = fast or auto
+        key = (lambda n: pool[n]["loss_macro"]["mean"]) if fast else (lambda n: pool[n]["ratio_total_cpu"]["mean"])
+        best = min(pool, key=key)
+        lines.append(f"- auto budget: **{best}** (" + ", ".join(
+            f"{n}: macro {e['loss_macro']['mean']:.4f}, total time / full {e['ratio_total_cpu']['mean']:.3f}, kept "
+            f"{e['kept_fraction']['mean']:.3f}" for n, e in sorted(auto.items())) + ("" if fast else
+            "; none within 0.5 of full data's time: the faster") + ")")
+    return lines + [""]
+
+
 def paired_difference(per_seed: dict, other: dict, split: str) -> dict[str, dict]:
     """Mean ± CI over the seeds both have of (this arm's quality minus the other's), per metric."""
     seeds = [s for s in per_seed if s in other]
@@ -387,6 +427,17 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
         lines += [f"The cluster loader (the hook's sampler: plan lookup, per-epoch set-up, collate) took "
                   f"{np.mean(shares):.2%} of the training loop's wall time on average, at most {max(shares):.2%} "
                   f"(over {len(shares)} arms).", ""]
+    overhead = loader_overhead(arms, results)
+    if any(name.startswith(("adaptive", "auto")) for name in overhead):
+        lines += ["## The loader's share of the training loop, per setting", "",
+                  "Wall time in the loader (for the adaptive schedule: drawing each window, the probe set's forward "
+                  "passes, the all-reduce of the figures and the shares' check) over the training loop's wall time, "
+                  "mean over seeds; the static arms beside them ran in the same job.", "",
+                  "| setting | seeds | loader / loop |", "|---|---|---|"]
+        lines += [f"| {name} | {len(values)} | {np.mean(values):.2%} (max {max(values):.2%}) |"
+                  for name, values in sorted(overhead.items(), key=lambda item: _order(item[0]))] + [""]
+    if getattr(settings, "candidates", None) and validation_only:
+        lines += adaptive_choice_lines(summaries["validation"], settings.candidates)
     ablations = ablation_rows(arms, results, main_split, getattr(settings, "headline_fraction", 0.3))
     if ablations:
         lines += [f"## {main_split}: the paper's ablations beside its claims (paired over seeds, answer loss)", "",

@@ -43,3 +43,21 @@ def uninterrupted_run(small_job, tmp_path_factory):
         return runs[stage]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def adaptive_run(small_job, tmp_path_factory) -> Path:
+    """The adaptive hook run of tests/test_adaptive_jobs.py, ZeRO-3, under the deepspeed launcher: 9 steps, 3
+    windows, with DeepSpeed's CSV monitor on (OUT/monitor/job); read by the adaptive and the monitor tests."""
+    import json
+
+    from tests.launching import check, run_deepspeed
+    from tests.test_adaptive_jobs import hook_args
+
+    out = tmp_path_factory.mktemp("adaptive_whole")
+    args = hook_args(small_job, out, 3)
+    config = json.loads((out / "ds_config.json").read_text())
+    config["csv_monitor"] = {"enabled": True, "output_path": str(out / "monitor"), "job_name": "job"}
+    (out / "ds_config.json").write_text(json.dumps(config))
+    check(run_deepspeed(args, timeout=300))
+    return out

@@ -46,22 +46,14 @@ def log_of(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "schedule.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(small_job, tmp_path_factory) -> Path:
-    """The adaptive hook run, ZeRO-3, under the deepspeed launcher: 9 steps, 3 windows."""
-    out = tmp_path_factory.mktemp("adaptive_whole")
-    check(run_deepspeed(hook_args(small_job, out, 3), timeout=300))
-    return out
-
-
-def test_every_window_is_drawn_at_the_shares_the_window_before_gave(uninterrupted):
-    plan = Plan.load(uninterrupted / "plan")
-    log = log_of(uninterrupted)
+def test_every_window_is_drawn_at_the_shares_the_window_before_gave(adaptive_run):
+    plan = Plan.load(adaptive_run / "plan")
+    log = log_of(adaptive_run)
     assert [line["window"] for line in log] == [0, 1]  # window 2 closes after the last step
     natural = plan.cluster_sizes / plan.cluster_sizes.sum()
     steps: dict[int, list[int]] = {}  # optimizer step (from 0) -> the indices both ranks trained in it
     for rank in range(2):
-        for number, record in enumerate(read_trace(uninterrupted, rank)):
+        for number, record in enumerate(read_trace(adaptive_run, rank)):
             steps.setdefault(number // plan.gradient_accumulation_steps, []).extend(record["indices"])
     assert sorted(steps) == list(range(STEPS))
     # Holding out the probe set makes a cluster's pool smaller, never its share: the draws are the shares'.
@@ -72,23 +64,23 @@ def test_every_window_is_drawn_at_the_shares_the_window_before_gave(uninterrupte
     # The loss rule moves the shares towards the clusters whose losses are higher; the log says what it read.
     assert log[0]["shares"] != pytest.approx(natural.tolist()) and all(line["train_loss"] for line in log)
     assert all(line["probe_loss"] is not None for line in log)
-    digests = {json.loads((uninterrupted / f"summary_rank{r}.json").read_text())["parameter_digest"] for r in (0, 1)}
+    digests = {json.loads((adaptive_run / f"summary_rank{r}.json").read_text())["parameter_digest"] for r in (0, 1)}
     assert len(digests) == 1
 
 
-def test_the_report_plots_the_adaptive_runs_shares_and_losses(uninterrupted, small_job, tmp_path):
+def test_the_report_plots_the_adaptive_runs_shares_and_losses(adaptive_run, small_job, tmp_path):
     from ds_cluster.cli import main
 
-    assert main(["report", "--analysis", str(small_job / "analysis"), "--deepspeed", str(uninterrupted / "ds_config.json"),
-                 "--world-size", "2", "--schedule-log", str(uninterrupted / "schedule.jsonl"),
+    assert main(["report", "--analysis", str(small_job / "analysis"), "--deepspeed", str(adaptive_run / "ds_config.json"),
+                 "--world-size", "2", "--schedule-log", str(adaptive_run / "schedule.jsonl"),
                  "--out", str(tmp_path / "report"), "--no-text"]) == 0
     page = (tmp_path / "report" / "index.html").read_text()
-    last = log_of(uninterrupted)[-1]
+    last = log_of(adaptive_run)[-1]
     assert "Adaptive schedule" in page and f"2 windows closed, up to optimizer step {last['step']}" in page
     assert (tmp_path / "report" / "schedule.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_rank_killed_mid_window_resumes_to_the_same_shares_indices_and_losses(uninterrupted, small_job, tmp_path):
+def test_a_rank_killed_mid_window_resumes_to_the_same_shares_indices_and_losses(adaptive_run, small_job, tmp_path):
     parts = tmp_path / "parts"
     # Rank 1 dies (SIGKILL) right after step 5; the last checkpoint is step 4's, inside window 1 (steps 4 to 6).
     killed = run_deepspeed([WORKER, *hook_args(small_job, parts, 3, "--save-every", "2")[2:]], timeout=300,
@@ -100,11 +92,11 @@ def test_a_rank_killed_mid_window_resumes_to_the_same_shares_indices_and_losses(
     # Relaunched through mpirun: the checkpoint, not the launcher, carries the schedule.
     check(run_mpirun(hook_args(small_job, parts, 3, "--save-every", "2", "--resume"), timeout=300))
     for rank in range(2):
-        expected, trace = read_trace(uninterrupted, rank), read_trace(parts, rank)
+        expected, trace = read_trace(adaptive_run, rank), read_trace(parts, rank)
         replayed = trace[:4 * gas] + trace[lines_before[rank]:]
         assert [r["indices"] for r in replayed] == [r["indices"] for r in expected], f"rank {rank}"
         assert np.allclose([r["loss"] for r in replayed], [r["loss"] for r in expected], rtol=0, atol=1e-6)
-    assert log_of(parts) == log_of(uninterrupted)  # the same figures, the same shares
+    assert log_of(parts) == log_of(adaptive_run)  # the same figures, the same shares
 
 
 def test_ranks_whose_shares_disagree_stop_on_every_rank(small_job, tmp_path):

@@ -3,7 +3,6 @@ hook job whose DeepSpeed CSV monitor receives them at every optimizer step besid
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +10,8 @@ import pytest
 
 from ds_cluster.loader.figures import ClusterFigures, figure_events, figure_logs
 from ds_cluster.planning.plan import Plan
-from tests.launching import check, run_mpirun
-from tests.test_adaptive_jobs import ADAPT_EVERY, adaptive_config
-from tests.training import read_trace, train_args
+from tests.test_adaptive_jobs import STEPS
+from tests.training import read_trace
 
 
 def test_figures_count_per_cluster_over_ranks_and_reset_the_loss_each_report():
@@ -45,24 +43,18 @@ def read_csv(path: Path) -> list[tuple[int, float]]:
 
 
 @pytest.mark.integration
-def test_the_hook_writes_per_cluster_figures_to_deepspeeds_csv_monitor(small_job, tmp_path):
-    out = tmp_path / "run"
-    config_path = adaptive_config(small_job, out, 2)
-    config = json.loads(config_path.read_text())
-    config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "monitor"), "job_name": "job"}
-    config_path.write_text(json.dumps(config))
-    steps = 2 * ADAPT_EVERY
-    args = train_args(small_job, "zero2.json", out, "--max-steps", str(steps))
-    args[args.index("--deepspeed") + 1] = str(config_path)
-    check(run_mpirun(args, timeout=300))
-
-    folder = tmp_path / "monitor" / "job"
+def test_the_hook_writes_per_cluster_figures_to_deepspeeds_csv_monitor(adaptive_run):
+    """The adaptive ZeRO-3 run of tests/test_adaptive_jobs.py (deepspeed launcher, 2 ranks, 9 steps) had
+    DeepSpeed's CSV monitor on."""
+    out, steps = adaptive_run, STEPS
+    folder = out / "monitor" / "job"
     plan = Plan.load(out / "plan")
     lr_steps = [step for step, _ in read_csv(folder / "Train_Samples_lr.csv")]
     assert len(lr_steps) == steps  # DeepSpeed's own figure, once per optimizer step
     # Samples trained so far, per cluster and step: exactly what the two ranks' traces hold.
     traced = [read_trace(out, rank) for rank in range(2)]
     micro_per_step = len(traced[0]) // steps
+    natural = plan.cluster_sizes / plan.cluster_sizes.sum()
     for cluster in range(plan.num_clusters):
         samples = read_csv(folder / f"Train_Samples_ds_cluster_cluster_{cluster}_samples.csv")
         assert [step for step, _ in samples] == lr_steps  # the same cadence and the same x-axis
@@ -71,7 +63,7 @@ def test_the_hook_writes_per_cluster_figures_to_deepspeeds_csv_monitor(small_job
                        for i in record["indices"]]
             assert value == int((plan.labels[indices] == cluster).sum()), (cluster, number)
         shares = read_csv(folder / f"Train_Samples_ds_cluster_cluster_{cluster}_share.csv")
-        natural = plan.cluster_sizes[cluster] / plan.cluster_sizes.sum()
-        assert shares[0][1] == pytest.approx(natural)  # window 0 is drawn at the natural shares
+        assert [step for step, _ in shares] == lr_steps
+        assert shares[0][1] == pytest.approx(natural[cluster])  # window 0 is drawn at the natural shares
         losses = read_csv(folder / f"Train_Samples_ds_cluster_cluster_{cluster}_train_loss.csv")
         assert losses and all(np.isfinite(value) and value > 0 for _, value in losses)
