@@ -85,10 +85,13 @@ SYNTHETIC_ARMS = ("full_cut", "random", "paper", "recommended", "oracle")
 KNOWN_ARMS = REAL_ARMS + ("adaptive", "auto", "recommended_small")
 # The adaptive schedule the benchmark runs: the candidate bench/candidates.json's "adaptive" choice picked on T0's
 # validation split (bench/README.md, docs/adaptive.md), on the recommended preset's clusters.
-ADAPTIVE_PRESET: dict[str, Any] = {"schedule": "adaptive", "adaptive_rule": "progress", "adapt_every": 10,
-                                   "adaptive_pool": "all", "probe_size": 4, "weighting": "cluster"}
-AUTO_PRESET: dict[str, Any] = {**ADAPTIVE_PRESET, "budget_ratio": "auto", "auto_tolerance": 0.01,
-                               "auto_patience": 3}
+# Chosen 2026-12-03 (bench/results/real/quality_choose_adaptive.md): adaptive_loss, the lowest mean macro validation
+# loss of the declared candidates; auto_tolerance_0.03, the faster of the two auto candidates (neither within 0.5 of
+# full data's time). The auto candidates were declared on the base candidate (the progress rule).
+ADAPTIVE_PRESET: dict[str, Any] = {"schedule": "adaptive", "adaptive_rule": "loss", "adapt_every": 10,
+                                   "adaptive_pool": "all", "probe_size": 4, "exploration": 0.1, "weighting": "cluster"}
+AUTO_PRESET: dict[str, Any] = {**ADAPTIVE_PRESET, "adaptive_rule": "progress", "budget_ratio": "auto",
+                               "auto_tolerance": 0.03, "auto_patience": 3}
 EQUAL_STEPS_KINDS = ("random", "recommended")
 
 

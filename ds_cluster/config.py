@@ -105,12 +105,12 @@ class ClusterSamplingConfig(BaseModel):
     # The schedule: "static" (a plan fixed before step 0) or "adaptive" (windows of adapt_every optimizer steps
     # whose per-cluster shares follow what the clusters' losses did in the window before; docs/adaptive.md).
     schedule: Literal["static", "adaptive"] = "static"
-    adaptive_rule: str = "progress"
+    adaptive_rule: str = "loss"
     adapt_every: int = Field(10, ge=1)
     adaptive_pool: Literal["all", "selected"] = "all"
     probe_size: int = Field(4, ge=0)
     exploration: float = Field(0.1, ge=0.0, le=1.0)
-    auto_tolerance: float = Field(0.01, ge=0.0, lt=1.0)
+    auto_tolerance: float = Field(0.03, ge=0.0, lt=1.0)
     auto_patience: int = Field(3, ge=1)
     schedule_log: Optional[str] = None
 
