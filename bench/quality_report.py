@@ -169,13 +169,13 @@ def loader_overhead(arms: list[dict], results: dict) -> dict[str, list[float]]:
     return dict(shares)
 
 
-def adaptive_choice_lines(summary: dict, candidates: dict) -> list[str]:
+def adaptive_choice_lines(summary: dict, candidates: dict, fraction: float) -> list[str]:
     """bench/candidates.json's declared rule applied to the validation summary: among the adaptive candidates
     at the subsets' step count, the lowest mean macro validation loss; among the auto candidates, the lower
     mean macro loss of those whose mean total time is at most 0.5 of full data's (else the faster)."""
     rows = summary["settings"]
-    fixed = {name: rows[f"{name}_f0.3"] for name, block in candidates.items()
-             if block.get("budget_ratio") != "auto" and f"{name}_f0.3" in rows}
+    fixed = {name: rows[f"{name}_f{fraction:g}"] for name, block in candidates.items()
+             if block.get("budget_ratio") != "auto" and f"{name}_f{fraction:g}" in rows}
     auto = {name: rows[name] for name, block in candidates.items() if block.get("budget_ratio") == "auto"
             and name in rows}
     if not fixed and not auto:
@@ -437,7 +437,8 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
         lines += [f"| {name} | {len(values)} | {np.mean(values):.2%} (max {max(values):.2%}) |"
                   for name, values in sorted(overhead.items(), key=lambda item: _order(item[0]))] + [""]
     if getattr(settings, "candidates", None) and validation_only:
-        lines += adaptive_choice_lines(summaries["validation"], settings.candidates)
+        lines += adaptive_choice_lines(summaries["validation"], settings.candidates,
+                                       getattr(settings, "headline_fraction", 0.3))
     ablations = ablation_rows(arms, results, main_split, getattr(settings, "headline_fraction", 0.3))
     if ablations:
         lines += [f"## {main_split}: the paper's ablations beside its claims (paired over seeds, answer loss)", "",

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from ds_cluster import ClusterSamplingConfig, Plan, build_plan
+from ds_cluster.data.dataset import prompt_text
 from ds_cluster.report.clusters import describe_clusters, distinguishing_words
 from ds_cluster.report.page import write_report
 from ds_cluster.report.summary import (cluster_category_counts, cluster_counts_per_rank_step, pca_projection,
@@ -153,6 +154,18 @@ def test_without_text_a_cluster_keeps_its_figures_and_loses_its_words_and_prompt
         [(d.size, d.kept, d.weight, d.categories) for d in with_text]
     with pytest.raises(ValueError, match="prompts has 2 entries but the plan 300 samples"):
         describe_clusters(plan, prompts=["a", "b"])
+
+
+def test_the_prompt_text_of_every_kind_of_record_is_what_the_user_asked():
+    assert prompt_text({"instruction": "Sort", "input": "b a", "output": "a b"}) == "Sort\nb a"
+    assert prompt_text({"instruction": "Sort", "input": "", "output": "x"}) == "Sort"
+    assert prompt_text({"prompt": "Q: 2+2?", "completion": "4"}) == "Q: 2+2?"
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"},
+                         {"role": "assistant", "content": "Bye"}]}
+    assert prompt_text(chat) == "Be brief.\nHi\nHello\nBye"  # every turn before the last assistant turn
+    sharegpt = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}
+    assert prompt_text(sharegpt) == "Hi"
 
 
 def test_distinguishing_words_small_exact_case():

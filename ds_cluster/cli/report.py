@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -70,8 +71,6 @@ def read_records_of(analysis: Path, data: Optional[str], num_samples: int) -> Op
 
 def read_schedule_log(analysis: Path, given: Optional[str]) -> Optional[list[dict]]:
     """The lines of an adaptive run's schedule log (--schedule-log, else schedule.jsonl beside the analysis)."""
-    import json
-
     path = Path(given) if given else analysis.absolute().parent / "schedule.jsonl"
     if not path.is_file():
         if given:

@@ -47,21 +47,25 @@ class ClusterFigures:
                 "samples": self.samples_trained.tolist()}
 
 
+def _named_figures(figures: dict[str, list], shares: Optional[Sequence[float]]) -> list[tuple[str, float]]:
+    """`cluster_<c>/train_loss` (clusters trained since the last report only), `cluster_<c>/samples` and, with
+    shares, `cluster_<c>/share`, with their values."""
+    named: list[tuple[str, float]] = []
+    for cluster, (loss, samples) in enumerate(zip(figures["train_loss"], figures["samples"])):
+        if loss is not None:
+            named.append((f"cluster_{cluster}/train_loss", loss))
+        named.append((f"cluster_{cluster}/samples", float(samples)))
+        if shares is not None:
+            named.append((f"cluster_{cluster}/share", float(shares[cluster])))
+    return named
+
+
 def figure_events(figures: dict[str, list], shares: Optional[Sequence[float]], step: int,
                   prefix: str = EVENT_PREFIX) -> list[tuple[str, float, int]]:
-    """DeepSpeed monitor events `(name, value, step)`: `PREFIX/cluster_<c>/train_loss` (clusters trained since the
-    last report only), `.../samples` and, with shares, `.../share`."""
-    events: list[tuple[str, float, int]] = []
-    for cluster, (loss, samples) in enumerate(zip(figures["train_loss"], figures["samples"])):
-        name = f"{prefix}/cluster_{cluster}"
-        if loss is not None:
-            events.append((f"{name}/train_loss", loss, step))
-        events.append((f"{name}/samples", float(samples), step))
-        if shares is not None:
-            events.append((f"{name}/share", float(shares[cluster]), step))
-    return events
+    """DeepSpeed monitor events `(PREFIX/cluster_<c>/<figure>, value, step)`."""
+    return [(f"{prefix}/{name}", value, step) for name, value in _named_figures(figures, shares)]
 
 
 def figure_logs(figures: dict[str, list], shares: Optional[Sequence[float]]) -> dict[str, Any]:
     """The same figures as a Trainer `log` dict: `cluster_<c>/train_loss`, `cluster_<c>/samples`, `cluster_<c>/share`."""
-    return {"/".join(name.split("/")[-2:]): value for name, value, _ in figure_events(figures, shares, 0)}
+    return dict(_named_figures(figures, shares))

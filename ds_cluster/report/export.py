@@ -92,8 +92,6 @@ def _with_fields(record: Mapping[str, Any], index: int, cluster: int, weight: fl
 
 
 def _save_dataset(rows: list[dict[str, Any]], out: Path) -> None:
-    try:
-        import datasets
-    except ImportError as err:  # pragma: no cover - datasets is in the pinned stack
-        raise RuntimeError("--format datasets needs the `datasets` package (pip install datasets)") from err
+    import datasets  # a dependency of the package; imported here so the JSONL export does not load it
+
     datasets.Dataset.from_list(rows).save_to_disk(str(out))
