@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from bench.instrument import default_base_model
+from bench.real import STORIES260K_DIR
 from bench.stats import format_stat, mean_ci, quality
 
 TARGET_SHARE = 0.05
@@ -59,12 +60,22 @@ def job_startup(result: dict, fallback: dict) -> dict:
     return result.get("startup", fallback)
 
 
-def load_results(work: Path, arms: list[dict]) -> dict[str, dict]:
+def load_results(work: Path, arms: list[dict], exact_match_families: Optional[Sequence[str]] = None
+                 ) -> dict[str, dict]:
+    """The finished arms' results; with `exact_match_families`, exact match kept on those families only (an arm
+    resumed from a run that scored more of them is then compared on the same ones)."""
     results = {}
     for arm in arms:
         path = work / "arms" / f"{arm['name']}.json"
         if path.exists():
-            results[arm["name"]] = json.loads(path.read_text())
+            result = json.loads(path.read_text())
+            if exact_match_families is not None:
+                for split in ("validation", "heldout"):
+                    if result.get(split, {}).get("exact_match"):
+                        result[split]["exact_match"] = {family: value for family, value in
+                                                        result[split]["exact_match"].items()
+                                                        if family in exact_match_families}
+            results[arm["name"]] = result
     return results
 
 
@@ -156,7 +167,8 @@ def summarize(arms: list[dict], results: dict, work: Path, split: str) -> dict[s
     # One start-up per job; a run resumed by later jobs holds arms of each.
     job_startups = sorted({(job["cpu"], job["wall"]) for job in (job_startup(r, startup) for r in results.values())})
     return {"split": split, "settings": settings, "startup": startup, "job_startups": job_startups,
-            "selection": extraction, "base": base_row}
+            "selection": extraction, "base": base_row,
+            "full_total_cpu": {seed: t["total_cpu"] for seed, t in full_time.items()}}
 
 
 def loader_overhead(arms: list[dict], results: dict) -> dict[str, list[float]]:
@@ -297,6 +309,59 @@ def time_table(summary: dict, names: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _precision_text(precision: str) -> str:
+    return {"bf16": "DeepSpeed's bf16 block (bench/results/train_throughput.md: the faster on these CPUs)",
+            "autocast": "torch autocast to bf16"}.get(precision, "float32")
+
+
+def feature_sources(work: Path, arms: list[dict], summary: dict, models: dict[str, str]) -> list[dict]:
+    """Per feature source (the trained model's own, a feature model): what its selection cost, as a share of full
+    data's whole run (start-up, loop) on the same seed, and how well its k-means clusters match the task groups
+    (purity: the share of records in their cluster's largest group), mean over the analyses that read it."""
+    full_cpu = {int(seed): value for seed, value in summary.get("full_total_cpu", {}).items()}
+    rows: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    seen = set()
+    for arm in arms:
+        folder = work / "analyses" / arm["analysis"]
+        if arm["analysis"] in seen or not (folder / "cost.json").exists() or not (folder / "summary.json").exists():
+            continue
+        seen.add(arm["analysis"])
+        cost, clusters = json.loads((folder / "cost.json").read_text()), json.loads((folder / "summary.json").read_text())
+        if "purity" not in clusters or "source" not in cost:
+            continue
+        row = rows[cost["source"]]
+        row["extract_cpu"].append(cost.get("extract_cpu", 0.0))
+        row["cluster_cpu"].append(cost.get("cluster_cpu", 0.0))
+        row["purity"].append(clusters["purity"])
+        row["clusters"].append(clusters["num_clusters"])
+        if arm["seed"] in full_cpu:
+            row["share_of_full"].append(cost["cpu"] / full_cpu[arm["seed"]])
+    return [{"source": source, "model": models.get(source, source), "analyses": len(row["purity"]),
+             **{key: float(np.mean(values)) if values else None for key, values in row.items()}}
+            for source, row in sorted(rows.items())]
+
+
+def feature_source_table(rows: list[dict]) -> str:
+    lines = ["| feature source | model | analyses | extraction CPU s | k-means CPU s | selection / full data's run (CPU) "
+             "| k-means purity (task groups) | clusters |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        share = f"{row['share_of_full']:.3f}" if row.get("share_of_full") is not None else "-"
+        lines.append(f"| {row['source']} | `{Path(row['model']).name}` | {row['analyses']} | {row['extract_cpu']:.1f} | "
+                     f"{row['cluster_cpu']:.1f} | {share} | {row['purity']:.3f} | {row['clusters']:.0f} |")
+    return "\n".join(lines)
+
+
+def arm_wall_table(results: dict) -> str:
+    """Every arm's wall time: its training loop and its evaluation (the job's start-up and the selection are
+    shared and listed above)."""
+    lines = ["| arm | steps | loop wall s | evaluation wall s |", "|---|---|---|---|"]
+    for name in sorted(results, key=lambda n: (results[n]["arm"]["seed"], _order(results[n]["arm"]["setting"]))):
+        result = results[name]
+        lines.append(f"| {name} | {result['steps']} | {result['time']['loop']['wall']:.1f} | "
+                     f"{result['time']['evaluation']['wall']:.1f} |")
+    return "\n".join(lines)
+
+
 def plot(summary: dict, names: list[str], path: Path, results: dict, arms: list[dict], costs: dict) -> None:
     """Quality against total CPU time per setting (two panels), and the first seed's validation curves."""
     from matplotlib.figure import Figure
@@ -354,7 +419,7 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
     from bench.quality_ablations import ablation_rows, ablation_table
 
     work = Path(settings.work_dir)
-    results = load_results(work, arms)
+    results = load_results(work, arms, data.get("exact_match_families"))
     splits = ["validation"] if validation_only else ["validation", "heldout"]
     summaries = {split: summarize(arms, results, work, split) for split in splits}
     main_split = splits[-1]
@@ -375,8 +440,11 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
              + ", ".join(f"{f} {n}" for f, n in sorted(data["sizes"].items(), key=lambda kv: -kv[1])) + ").",
              f"Recipe: {settings.epochs} epochs, lr {settings.learning_rate}, max length {settings.max_length} tokens, "
              f"warmup {settings.warmup_fraction:.0%} then cosine to 0 at each arm's own last step, AdamW (0.9, 0.95, "
-             f"eps {settings.adam_eps}), 2 ranks x micro batch {settings.micro_batch_size}, ZeRO-{settings.zero_stage}, one DeepSpeed job "
-             "for every arm.",
+             f"eps {settings.adam_eps}), 2 ranks x micro batch {settings.micro_batch_size}"
+             f"{f' x {settings.gradient_accumulation_steps} accumulated' if getattr(settings, 'gradient_accumulation_steps', 1) > 1 else ''}, "
+             f"ZeRO-{settings.zero_stage}, {_precision_text(getattr(settings, 'precision', 'fp32'))}, one DeepSpeed job "
+             "for every arm" + (f", {settings.train_fraction:.0%} of every family's training records"
+                                if getattr(settings, "train_fraction", 1.0) < 1.0 else "") + ".",
              "Greedy exact match is scored on the label families only: "
              + (", ".join(data["exact_match_families"]) or "none")
              + (" (every family: the synthetic answers are short exact strings)." if instrument == "synthetic" else
@@ -421,6 +489,17 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
                       "full-data epoch" if c.get("extract_wall") is not None else "")
                   for n, c in s["selection"].items()) + ("(no arm that reads one has run)" if not s["selection"] else ""),
               ""]
+    models = {"own": str(default_base_model(settings)),
+              "small": str(getattr(settings, "small_feature_model", None) or STORIES260K_DIR),
+              "smollm2": str(getattr(settings, "smollm2", None) or "SmolLM2-135M-Instruct")}
+    sources = feature_sources(work, arms, s, models)
+    if sources:
+        lines += ["## Feature sources: cost and cluster purity", "",
+                  "Each source's selection (the features pass over all the training records, once per source, plus "
+                  "k-means, per seed) in CPU s over both ranks, and as a share of full data's whole run on the same "
+                  "seed; purity: the share of training records in their cluster's largest task group (mean over "
+                  "the analyses of that source).", "", feature_source_table(sources), ""]
+    lines += ["## Wall time per arm", "", arm_wall_table(results), ""]
     shares = [r["time"]["loader_wall"] / max(r["time"]["loop"]["wall"], 1e-9) for r in results.values()
               if "loader_wall" in r["time"]]
     if shares:

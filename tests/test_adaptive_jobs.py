@@ -1,6 +1,6 @@
-"""The adaptive schedule in real 2-rank DeepSpeed jobs: the hook under the deepspeed launcher and mpirun, ZeRO-3
-and ZeRO-1, resume mid-window after a real SIGKILL, ranks that disagree, ClusterTrainer (with resume) and
-ClusterSFTTrainer."""
+"""The adaptive schedule in real 2-rank DeepSpeed jobs: the hook under the deepspeed launcher and mpirun, ZeRO-3,
+ZeRO-2 (on chat records) and ZeRO-1, resume mid-window after a real SIGKILL, ranks that disagree, ClusterTrainer
+(with resume) and ClusterSFTTrainer."""
 from __future__ import annotations
 
 import json
@@ -164,3 +164,39 @@ def test_cluster_sft_trainer_draws_its_windows_at_the_logged_shares(small_job, t
         counts = np.bincount(labels[upto], minlength=BLOCK["num_clusters"])
         assert [entry[f"cluster_{c}/samples"] for c in range(BLOCK["num_clusters"])] == counts.tolist()
         assert sum(entry[f"cluster_{c}/share"] for c in range(BLOCK["num_clusters"])) == pytest.approx(1.0)
+
+
+def test_a_zero2_run_on_chat_records_draws_its_windows_at_the_logged_shares(tmp_path):
+    """ZeRO-2 under the deepspeed launcher, the analysis computed in the job, on gzipped chat and Alpaca records
+    rendered by the tokenizer's chat template: the second window is drawn at the shares the first one logged."""
+    import gzip
+
+    from tests.fixtures.tokenizers import tiny_model_folder
+    from tests.test_chat_data import STORIES_TEMPLATE
+
+    folder = tiny_model_folder("stories260k", tmp_path, chat_template=STORIES_TEMPLATE)
+    records = []
+    for index in range(64):
+        topic, answer = (("story", f"Tim had {index} red balls.") if index % 2 else
+                         ("sum", f"{index} plus one is {index + 1}."))
+        records.append({"messages": [{"role": "user", "content": f"Tell the {topic} number {index}."},
+                                     {"role": "assistant", "content": answer}]} if index % 4 < 2 else
+                       {"instruction": f"Tell the {topic} number {index}.", "input": "", "output": answer})
+    with gzip.open(tmp_path / "train.jsonl.gz", "wt", encoding="utf-8") as handle:
+        handle.write("".join(json.dumps(r) + "\n" for r in records))
+    out, steps, every = tmp_path / "out", 4, 2  # budget 0.5 of 64 records: 2 optimizer steps an epoch
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    config["data_efficiency"]["data_sampling"]["cluster_sampling"] = {
+        **BLOCK, "adapt_every": every, "num_clusters": 2, "analysis_path": str(tmp_path / "analysis"),
+        "schedule_log": str(out / "schedule.jsonl")}
+    (tmp_path / "ds_config.json").write_text(json.dumps(config))
+    check(run_deepspeed([*TRAIN, "--deepspeed", str(tmp_path / "ds_config.json"), "--model", str(folder),
+                         "--data", str(tmp_path / "train.jsonl.gz"), "--output-dir", str(out), "--max-length", "48",
+                         "--epochs", "2", "--max-steps", str(steps), "--trace"], timeout=300))
+    plan, log = Plan.load(out / "plan"), log_of(out)
+    assert [line["window"] for line in log] == [0] and sum(log[0]["shares"]) == pytest.approx(1.0)
+    assert log[0]["train_loss"] and log[0]["probe_loss"] is not None
+    drawn = [index for rank in range(2) for record in read_trace(out, rank)[every * plan.gradient_accumulation_steps:]
+             for index in record["indices"]]
+    counts = np.bincount(plan.labels[drawn], minlength=plan.num_clusters)
+    assert counts.tolist() == window_draws(np.array(log[0]["shares"]), every * plan.global_batch_size).tolist()

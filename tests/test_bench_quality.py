@@ -124,10 +124,16 @@ def test_real_data_arms_job_spec(tmp_path):
     assert "recommended_smollm2" not in settings.arms and "absent" in settings.skipped[0]  # skipped, with why
     spec = _spec(settings)
     assert spec["base_model"] == str(STORIES260K_DIR) and spec["gate"]["kind"] == "real"
-    assert spec["exact_match_families"] == quality.categorical_families(read_jsonl(spec["train"]))
+    # Judged on the whole train file (a property of the family), not on the carved or sliced split.
+    assert spec["exact_match_families"] == quality.categorical_families(read_jsonl(data / "train.jsonl.gz"))
     # The rule on the shipped slice's whole training file: the three label families.
     assert quality.categorical_families(read_jsonl(T0_DIR / "train.jsonl.gz")) == [
         "paraphrase_identification", "sentiment", "topic_classification"]
+    # A 7% slice (the SmolLM2 instrument's size) has a few underlying examples per free-text family, each answer
+    # among its most frequent: judged on the slice, summaries and closed-book QA would pass for labels.
+    sliced = quality.prepare_data(replace(settings, data=T0_DIR, train_fraction=0.07, work_dir=tmp_path / "slice"))
+    assert sliced["exact_match_families"] == ["paraphrase_identification", "sentiment", "topic_classification"]
+    assert "summarization" in quality.categorical_families(read_jsonl(sliced["paths"]["train"]))
     assert spec["skipped"] == list(settings.skipped)
     arms = spec["arms"]
     assert [arm["name"] for arm in arms[:2]] == ["full_s0", "random_f0.3_s0"]  # the gate's arms first
@@ -503,3 +509,54 @@ def test_each_arm_is_charged_the_start_up_of_the_job_that_trained_it(tmp_path):
     # random: the folder's 50 + 30 loop; full: its own 20 + 100 loop.
     assert summary["settings"]["random_f0.3"]["ratio_total_cpu"]["mean"] == pytest.approx(80.0 / 120.0)
     assert summary["job_startups"] == [(20.0, 10.0), (50.0, 40.0)]
+
+
+def test_each_feature_source_is_reported_with_its_cost_share_and_purity(tmp_path):
+    """The results file gives every feature source's selection cost as a share of full data's run on the same
+    seed, and its k-means purity against the task groups, from the analyses the arms read."""
+    from bench.quality_report import feature_source_table, feature_sources, summarize
+
+    (tmp_path / "startup.json").write_text(json.dumps({"cpu": 20.0, "wall": 10.0}))
+    arms, results = [], {}
+    for setting, analysis, source, purity in (("full", "one_cluster", None, None),
+                                              ("recommended_f0.3", "k_own", "own", 0.5),
+                                              ("recommended_small_f0.3", "k_small", "small", 0.75)):
+        arm = {"name": f"{setting}_s0", "setting": setting, "method": setting.split("_f")[0], "seed": 0,
+               "fraction": None if setting == "full" else 0.3, "analysis": analysis, "epochs": 3}
+        arms.append(arm)
+        results[arm["name"]] = {"arm": arm, "kept_fraction": 1.0, "steps": 10,
+                                "time": {"loop": {"cpu": 180.0, "wall": 90.0}, "evaluation": {"cpu": 1.0, "wall": 1.0}},
+                                "validation": {"loss": {"a": 1.0}}}
+        if source:
+            folder = tmp_path / "analyses" / analysis
+            folder.mkdir(parents=True)
+            cost = 40.0 if source == "own" else 2.0
+            (folder / "cost.json").write_text(json.dumps({"cpu": cost, "wall": cost / 2, "extract_cpu": cost - 1.0,
+                                                          "cluster_cpu": 1.0, "source": source}))
+            (folder / "summary.json").write_text(json.dumps({"purity": purity, "num_clusters": 8}))
+    summary = summarize(arms, results, tmp_path, "validation")
+    rows = {row["source"]: row for row in feature_sources(tmp_path, arms, summary, {"own": "m/smollm2"})}
+    # Full data's whole run: 20 start-up + 180 loop CPU s.
+    assert rows["own"]["share_of_full"] == pytest.approx(40.0 / 200.0) and rows["own"]["purity"] == 0.5
+    assert rows["small"]["share_of_full"] == pytest.approx(2.0 / 200.0) and rows["small"]["purity"] == 0.75
+    assert "| own | `smollm2` | 1 | 39.0 | 1.0 | 0.200 | 0.500 | 8 |" in feature_source_table(list(rows.values()))
+
+
+def test_the_smollm2_instrument_runs_its_chosen_recipe_and_names_each_mode_apart(tmp_path):
+    """--model smollm2: the recipe that passed its gate (bench/candidates.json's first SmolLM2 candidate), the
+    arms its issue asks for, and a results file of its own per mode (a gate or quick run never overwrites the
+    grid's)."""
+    from bench import quality
+
+    declared = json.loads((Path(quality.REPO) / "bench" / "candidates.json").read_text())["smollm2_recipes"]
+    first = next(block for name, block in declared.items() if not name.startswith("_"))
+    work = ["--work-dir", str(tmp_path / "work")]
+    settings = _settings(["--model", "smollm2", *work])
+    assert {key: getattr(settings, key) for key in first} == first
+    assert settings.precision == "bf16" and settings.time_goal == 0.33 and settings.seeds == (0, 1, 2)
+    assert set(settings.arms) == {"full_cut", "random", "recommended", "recommended_small", "adaptive"}
+    names = {mode: _settings(["--model", "smollm2", *work, *flags]).results_name
+             for mode, flags in (("grid", []), ("quick", ["--quick"]), ("gate", ["--gate-only"]))}
+    assert names == {"grid": "quality_smollm2", "quick": "quality_smollm2_quick", "gate": "quality_smollm2_gate"}
+    quick = _settings(["--model", "smollm2", "--quick", *work])
+    assert quick.seeds == (0,) and quick.fractions == (0.3,) and set(quick.arms) == {"random", "recommended_small"}
