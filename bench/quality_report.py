@@ -314,7 +314,8 @@ def _precision_text(precision: str) -> str:
             "autocast": "torch autocast to bf16"}.get(precision, "float32")
 
 
-def feature_sources(work: Path, arms: list[dict], summary: dict, models: dict[str, str]) -> list[dict]:
+def feature_sources(work: Path, arms: list[dict], summary: dict, costs: dict[str, dict], models: dict[str, str]
+                    ) -> list[dict]:
     """Per feature source (the trained model's own, a feature model): what its selection cost, as a share of full
     data's whole run (start-up, loop) on the same seed, and how well its k-means clusters match the task groups
     (purity: the share of records in their cluster's largest group), mean over the analyses that read it."""
@@ -323,10 +324,10 @@ def feature_sources(work: Path, arms: list[dict], summary: dict, models: dict[st
     seen = set()
     for arm in arms:
         folder = work / "analyses" / arm["analysis"]
-        if arm["analysis"] in seen or not (folder / "cost.json").exists() or not (folder / "summary.json").exists():
+        if arm["analysis"] in seen or arm["analysis"] not in costs or not (folder / "summary.json").exists():
             continue
         seen.add(arm["analysis"])
-        cost, clusters = json.loads((folder / "cost.json").read_text()), json.loads((folder / "summary.json").read_text())
+        cost, clusters = costs[arm["analysis"]], json.loads((folder / "summary.json").read_text())
         if "purity" not in clusters or "source" not in cost:
             continue
         row = rows[cost["source"]]
@@ -492,7 +493,7 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
     models = {"own": str(default_base_model(settings)),
               "small": str(getattr(settings, "small_feature_model", None) or STORIES260K_DIR),
               "smollm2": str(getattr(settings, "smollm2", None) or "SmolLM2-135M-Instruct")}
-    sources = feature_sources(work, arms, s, models)
+    sources = feature_sources(work, arms, s, costs, models)
     if sources:
         lines += ["## Feature sources: cost and cluster purity", "",
                   "Each source's selection (the features pass over all the training records, once per source, plus "

@@ -535,7 +535,9 @@ def test_each_feature_source_is_reported_with_its_cost_share_and_purity(tmp_path
                                                           "cluster_cpu": 1.0, "source": source}))
             (folder / "summary.json").write_text(json.dumps({"purity": purity, "num_clusters": 8}))
     summary = summarize(arms, results, tmp_path, "validation")
-    rows = {row["source"]: row for row in feature_sources(tmp_path, arms, summary, {"own": "m/smollm2"})}
+    costs = {arm["analysis"]: json.loads((tmp_path / "analyses" / arm["analysis"] / "cost.json").read_text())
+             for arm in arms if arm["analysis"] != "one_cluster"}
+    rows = {row["source"]: row for row in feature_sources(tmp_path, arms, summary, costs, {"own": "m/smollm2"})}
     # Full data's whole run: 20 start-up + 180 loop CPU s.
     assert rows["own"]["share_of_full"] == pytest.approx(40.0 / 200.0) and rows["own"]["purity"] == 0.5
     assert rows["small"]["share_of_full"] == pytest.approx(2.0 / 200.0) and rows["small"]["purity"] == 0.75
