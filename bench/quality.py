@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from ds_cluster.data.dataset import read_jsonl, write_jsonl  # noqa: E402
+from ds_cluster.data.dataset import prompt_text, read_jsonl, write_jsonl  # noqa: E402
 from ds_cluster.distributed import free_port  # noqa: E402
 from ds_cluster.planning.selection import SELECTIONS  # noqa: E402
 from bench.instrument import data_file, default_base_model, job_env  # noqa: E402
@@ -113,6 +113,9 @@ class Settings:
     adam_eps: float = 1e-5  # 1e-8 and 1e-6 failed the synthetic plateau check (bench/README.md)
     warmup_fraction: float = 0.05
     max_length: int = 160  # for time (272 holds every T0 record whole, at 1.7x the step's cost); prompts cut first
+    # "alpaca": the plain Alpaca prompt; "chat": each record as a user turn (its instruction and input) and an
+    # assistant turn (its answer), rendered with the trained model's chat template (to_chat_record).
+    prompt: str = "alpaca"
     micro_batch_size: int = 32
     zero_stage: int = 2  # ds_configs/zero{N}.json; fp32, so the stage changes the cost, not the arithmetic
     seeds: tuple[int, ...] = (0, 1, 2, 3)
@@ -247,6 +250,15 @@ def categorical_families(records: Sequence[Mapping[str, Any]], top: int = CATEGO
                   if sum(n for _, n in counts.most_common(top)) >= coverage * sum(counts.values()))
 
 
+def to_chat_record(record: Mapping[str, Any]) -> dict[str, Any]:
+    """An Alpaca record as a chat record: a user turn (the instruction and input as plain text) and an assistant
+    turn (the answer); its other fields (family, example_id, ...) kept, `output` too: the reference answer that
+    exact match reads."""
+    kept = {key: value for key, value in record.items() if key not in ("instruction", "input")}
+    return {**kept, "messages": [{"role": "user", "content": prompt_text(record)},
+                                 {"role": "assistant", "content": record["output"]}]}
+
+
 def prepare_data(settings: Settings) -> dict[str, Any]:
     """Train / validation / held-out files in the work folder, the labels-only analyses, the near-duplicate groups."""
     from bench.near_duplicates import compute_groups
@@ -260,6 +272,10 @@ def prepare_data(settings: Settings) -> dict[str, Any]:
     exact_match = categorical_families(train_all)
     if settings.train_fraction < 1.0:
         train_all = seeded_share(train_all, settings.train_fraction)
+    if settings.prompt not in ("alpaca", "chat"):
+        raise SystemExit(f"prompt: 'alpaca' or 'chat', got {settings.prompt!r}")
+    if settings.prompt == "chat":
+        train_all, heldout = [to_chat_record(r) for r in train_all], [to_chat_record(r) for r in heldout]
     train, validation = carve_validation(train_all)
     if settings.heldout_per_family is not None:
         taken: dict[str, int] = {}
@@ -512,7 +528,9 @@ def instrument_record(settings: Settings) -> dict[str, Any]:
             "heldout_per_family": settings.heldout_per_family,
             "smollm2_feature_max_length": settings.smollm2_feature_max_length,
             "train_fraction": settings.train_fraction, "precision": settings.precision,
-            "gradient_accumulation_steps": settings.gradient_accumulation_steps}
+            "gradient_accumulation_steps": settings.gradient_accumulation_steps,
+            # Only when not the default, so folders written before the setting existed still match.
+            **({"prompt": settings.prompt} if settings.prompt != "alpaca" else {})}
 
 
 def check_work_dir(settings: Settings) -> None:
