@@ -39,6 +39,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ds_cluster.data.dataset import prompt_text
+
 logger = logging.getLogger(__name__)
 
 SHINGLE_WORDS = 3
@@ -49,13 +51,6 @@ JACCARD_THRESHOLD = 0.8
 MINHASH_SEED = 20261201
 _PRIME = (1 << 31) - 1  # a Mersenne prime: (a x + b) stays below 2^63 for a, b, x < 2^31
 _WORD = re.compile(r"\w+")
-
-
-def prompt_text(record: Mapping[str, Any]) -> str:
-    """The text the rule compares: instruction and input (or a prompt/completion record's prompt)."""
-    if record.get("instruction") is not None:
-        return f"{record['instruction']}\n{record.get('input') or ''}".strip()
-    return str(record.get("prompt") or "")
 
 
 def shingles(text: str, width: int = SHINGLE_WORDS) -> frozenset[str]:

@@ -562,3 +562,16 @@ def test_the_smollm2_instrument_runs_its_chosen_recipe_and_names_each_mode_apart
     assert names == {"grid": "quality_smollm2", "quick": "quality_smollm2_quick", "gate": "quality_smollm2_gate"}
     quick = _settings(["--model", "smollm2", "--quick", *work])
     assert quick.seeds == (0,) and quick.fractions == (0.3,) and set(quick.arms) == {"random", "recommended_small"}
+
+
+def test_a_chat_record_of_the_benchmark_keeps_its_metadata_prompt_and_reference_answer():
+    from bench import near_duplicates, quality
+
+    record = {"instruction": "Is this review positive?", "input": "A fine film.", "output": "yes",
+              "family": "sentiment", "example_id": "x1"}
+    chat = quality.to_chat_record(record)
+    assert chat["messages"] == [{"role": "user", "content": "Is this review positive?\nA fine film."},
+                                {"role": "assistant", "content": "yes"}]
+    assert (chat["family"], chat["example_id"], chat["output"]) == ("sentiment", "x1", "yes")
+    # Near-duplicate groups and the report read the same prompt text from either form.
+    assert near_duplicates.prompt_text(chat) == near_duplicates.prompt_text(record)
