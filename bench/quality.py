@@ -156,7 +156,8 @@ class Settings:
 # T0 mixture sized so one full-data run takes about 7 minutes here. Its recipe is the first of the declared
 # candidates (bench/candidates.json, "smollm2_recipes") to pass the calibration gate on validation, 2026-12-03
 # (bench/results/real/quality_smollm2_gate_epochs3_lr1e-4.md): 7% of every family's train records, 3 epochs,
-# lr 1e-4, the plain Alpaca prompt. The first recipe (15%, 2 epochs) missed the plateau check (-7.0%).
+# lr 1e-4. The first recipe (15%, 2 epochs) missed the plateau check (-7.0%). The plain Alpaca prompt was kept
+# over the chat template by the declared rule ("smollm2_prompt"; bench/results/real/quality_smollm2_gate_chat.md).
 SMOLLM2_RECIPE: dict[str, Any] = {
     "base_model": SMOLLM2_DIR, "train_fraction": 0.07, "heldout_per_family": 50, "max_length": 136,
     "micro_batch_size": 8, "gradient_accumulation_steps": 2, "precision": "bf16", "zero_stage": 0,
@@ -614,6 +615,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--choose-adaptive", action="store_true",
                         help="run the adaptive schedule's candidates (bench/candidates.json, its \"adaptive\" list) "
                              "on validation only")
+    parser.add_argument("--choose-auto", action="store_true",
+                        help="choose the automatic budget (budget_ratio auto) among bench/candidates.json's \"auto\" "
+                             "list, T0 validation only, beside full data and the random subset")
     parser.add_argument("--seeds", type=int, default=len(Settings.seeds), help="paired seeds (default 4)")
     parser.add_argument("--work-dir", type=Path, default=None, help="default runs/bench_[real_]NAME")
     parser.add_argument("--results-dir", type=Path, default=None,
@@ -650,7 +654,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = None) -> Settings:
     # Each mode has its own name, so a smoke or choosing run never reuses or overwrites the default's arms.
     name = args.name if args.name != "quality" else (
-        "quality_choose_adaptive" if args.choose_adaptive else "quality_choose" if args.choose
+        "quality_choose_adaptive" if args.choose_adaptive else "quality_choose_auto" if args.choose_auto
+        else "quality_choose" if args.choose
         else "quality_quick" if args.quick else "quality_gate" if args.gate_only else "quality")
     given = argv if argv is not None else sys.argv[1:]
     # A rebuilt report names the run that measured it (the flag only re-reads its arms).
@@ -707,9 +712,9 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     if args.test_epochs is not None:
         settings = replace(settings, epochs=args.test_epochs, fractions=(0.3,), ablations=False,
                            arms=("random", "paper"), copy_probe_records=8, features_cache=None)
-    if args.choose or args.choose_adaptive:
+    if args.choose or args.choose_adaptive or args.choose_auto:
         declared = json.loads((REPO / "bench" / "candidates.json").read_text())[
-            "adaptive" if args.choose_adaptive else settings.instrument]
+            "adaptive" if args.choose_adaptive else "auto" if args.choose_auto else settings.instrument]
         candidates = {name: block for name, block in declared.items() if not name.startswith("_")}  # "_rule"
         if settings.instrument == "synthetic":
             # Declared and measured when proxy was the default feature kind; they keep it, so they reproduce.

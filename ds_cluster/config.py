@@ -64,7 +64,8 @@ RULE_KEYS = tuple(RULE_REGISTRIES)
 # Keys added after plans were first fingerprinted: in a plan's settings (and so its fingerprint) only when set away
 # from their defaults, so a plan built without them keeps its fingerprint and its checkpoints resume.
 KEYS_RECORDED_WHEN_SET = ("weight_temperature", "dedup_similarity", "schedule", "adaptive_rule", "adapt_every",
-                          "adaptive_pool", "probe_size", "exploration", "auto_tolerance", "auto_patience")
+                          "adaptive_pool", "probe_size", "exploration", "auto_tolerance", "auto_patience",
+                          "auto_cooldown", "auto_maintenance")
 
 
 class ClusterSamplingConfig(BaseModel):
@@ -112,6 +113,12 @@ class ClusterSamplingConfig(BaseModel):
     exploration: float = Field(0.1, ge=0.0, le=1.0)
     auto_tolerance: float = Field(0.03, ge=0.0, lt=1.0)
     auto_patience: int = Field(3, ge=1)
+    # budget_ratio "auto": once every cluster has stopped, the run goes on for this fraction of the steps it has
+    # taken (whole windows, at least one) at the natural shares while the learning rate decays to 0
+    # (lr_schedules.warmup_stable_decay); 0 ends the run at once.
+    auto_cooldown: float = Field(0.0, ge=0.0, le=1.0)
+    # budget_ratio "auto": a stopped cluster keeps this fraction of its natural share (0: it is no longer drawn).
+    auto_maintenance: float = Field(0.0, ge=0.0, lt=1.0)
     schedule_log: Optional[str] = None
 
     @model_validator(mode="before")

@@ -34,7 +34,7 @@ from ds_cluster.ds_config import BLOCK_PATH, read_ds_config
 from ds_cluster.fileio import write_json_atomic
 from ds_cluster.loader.loss import weighted_causal_lm_loss
 from ds_cluster.data.models import load_model_and_tokenizer
-from ds_cluster.loader.lr_schedules import warmup_cosine
+from ds_cluster.loader.lr_schedules import warmup_cosine, warmup_stable_decay
 
 logger = logging.getLogger("ds_cluster.train")
 
@@ -54,7 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH)
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                         help="cosine: linear warm-up over --warmup-fraction of the steps, then cosine to 0 at the "
-                             "run's own last step (its length comes from the plan)")
+                             "run's own last step (its length comes from the plan); with budget_ratio \"auto\" and "
+                             "auto_cooldown > 0, constant after the warm-up, then linear to 0 over the cool-down the "
+                             "adaptive schedule announces (docs/adaptive.md)")
     parser.add_argument("--warmup-fraction", type=float, default=0.05)
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N optimizer steps (0: at the end)")
     parser.add_argument("--test-stop-after", type=int, default=0,
@@ -194,12 +196,21 @@ def main(argv=None) -> int:
     ds_cluster.install()  # the one line: deepspeed.initialize now returns the cluster-balanced loader
     run_steps = {"total": 0}
     scheduler = None
-    if args.lr_schedule == "cosine":
+    made: dict[str, Any] = {}  # the loader, once deepspeed.initialize has built it
+    block = ((config.get("data_efficiency") or {}).get("data_sampling") or {}).get("cluster_sampling") or {}
+    cooldown = float(block.get("auto_cooldown") or 0.0) if block.get("budget_ratio") == "auto" else 0.0
+    if args.lr_schedule == "cosine" and cooldown > 0:
+        # The auto budget decides its end while training: constant LR until then, linear to 0 over its cool-down.
+        factor = warmup_stable_decay(lambda: run_steps["total"], args.warmup_fraction, cooldown / (1 + cooldown),
+                                     lambda: made["loader"].cooldown_steps() if "loader" in made else None)
+        scheduler = lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)  # noqa: E731
+    elif args.lr_schedule == "cosine":
         factor = warmup_cosine(lambda: run_steps["total"], args.warmup_fraction)
         scheduler = lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)  # noqa: E731
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                 training_data=dataset, config=config, lr_scheduler=scheduler,
                                                 collate_fn=trim_padding_collate)
+    made["loader"] = loader
     if hasattr(loader, "plan"):
         run_steps["total"] = args.epochs * loader.plan.steps_per_epoch
         run_steps["total"] = min(run_steps["total"], args.max_steps) if args.max_steps else run_steps["total"]

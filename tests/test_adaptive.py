@@ -118,6 +118,46 @@ def test_auto_budget_stops_clusters_that_stop_improving_and_ends_the_run(tmp_pat
     assert 0 < last["kept_fraction"] < 1
 
 
+def test_auto_cooldown_goes_on_over_every_cluster_at_the_natural_shares_then_ends(tmp_path):
+    loader = _loader(tmp_path, budget_ratio="auto", auto_patience=2, auto_tolerance=0.01, auto_cooldown=0.5)
+    batches = _train(loader, 1000)
+    # Three windows until every cluster has stopped, then ceil(0.5 x 3) = 2 windows of cool-down.
+    assert loader.finished and len(batches) == (3 + 2) * 2 * 2
+    assert loader.cooldown_steps() == (6, 10)  # (first step, end step), in optimizer steps
+    lines = [json.loads(line) for line in (tmp_path / "schedule.jsonl").read_text().splitlines()]
+    assert lines[2]["cooldown"] == [6, 10] and not lines[2]["finished"]
+    natural = np.array(SIZES) / sum(SIZES)
+    assert lines[2]["shares"] == pytest.approx(natural.tolist())  # stopped clusters come back, none forgotten
+    cooling = [LABELS[i] for batch in batches[12:] for i in batch]
+    assert set(cooling) == {0, 1, 2}
+    assert lines[-1]["finished"] and lines[-1]["shares"] == [0.0, 0.0, 0.0]
+
+
+def test_auto_cooldown_resumes_from_a_state_saved_inside_it(tmp_path):
+    keys = dict(budget_ratio="auto", auto_patience=2, auto_tolerance=0.01, auto_cooldown=0.5)
+    expected = _train(_loader(tmp_path / "a", **keys), 1000)
+    first = _loader(tmp_path / "b", **keys)
+    done = _train(first, 15)  # inside the cool-down's second window
+    state = json.loads(json.dumps(first.state_dict(global_step=7)))
+    resumed = _loader(tmp_path / "b", **keys)
+    resumed.load_state_dict(state)
+    assert resumed.cooldown_steps() == (6, 10)
+    assert done + _train(resumed, 1000) == expected and resumed.finished
+
+
+def test_auto_maintenance_keeps_a_stopped_cluster_at_its_share_of_the_natural(tmp_path):
+    loader = _loader(tmp_path, budget_ratio="auto", auto_patience=2, auto_tolerance=0.01, auto_maintenance=0.5,
+                     adaptive_rule="loss", exploration=0.0)
+    for window in range(5):  # clusters 0 and 1 improve by 10% a window, cluster 2 never: only it stops
+        _train(loader, 4, loss_of_cluster=(2.0 * 0.9 ** window, 1.0 * 0.9 ** window, 0.5))
+    lines = [json.loads(line) for line in (tmp_path / "schedule.jsonl").read_text().splitlines()]
+    assert [line["stopped"] for line in lines] == [[], [], [2], [2]]
+    natural = np.array(SIZES) / sum(SIZES)
+    for line in lines[2:]:
+        assert line["shares"][2] == pytest.approx(0.5 * natural[2]) and sum(line["shares"]) == pytest.approx(1.0)
+    assert not loader.finished
+
+
 def test_probe_set_is_held_out_of_training(tmp_path):
     loader = _loader(tmp_path, probe_size=3)
     assert loader.probe.size == 9

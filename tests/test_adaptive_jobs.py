@@ -200,3 +200,21 @@ def test_a_zero2_run_on_chat_records_draws_its_windows_at_the_logged_shares(tmp_
              for index in record["indices"]]
     counts = np.bincount(plan.labels[drawn], minlength=plan.num_clusters)
     assert counts.tolist() == window_draws(np.array(log[0]["shares"]), every * plan.global_batch_size).tolist()
+
+
+def test_a_zero0_auto_run_cools_down_over_every_cluster_and_ends_at_a_zero_learning_rate(small_job, tmp_path):
+    out = tmp_path / "auto"
+    # Every cluster stops after its second window (no 99% improvement), then one window of cool-down (0.5 x 2).
+    args = train_args(small_job, "zero0.json", out, "--max-steps", "30", "--epochs", "20", "--lr-schedule", "cosine")
+    args[args.index("--deepspeed") + 1] = str(adaptive_config(
+        small_job, out, 0, budget_ratio="auto", auto_patience=1, auto_tolerance=0.99, auto_cooldown=0.5))
+    check(run_deepspeed(args, timeout=300))
+    log = log_of(out)
+    assert [line["window"] for line in log] == [0, 1, 2]
+    assert log[1]["stopped"] == [0, 1, 2, 3] and log[1]["cooldown"] == [6, 9]
+    assert set(np.flatnonzero(log[1]["shares"])) == {0, 1, 2, 3}  # the cool-down draws every cluster again
+    assert log[2]["finished"]
+    for rank in range(2):
+        summary = json.loads((out / f"summary_rank{rank}.json").read_text())
+        # Ended by the schedule (not the 30-step cap), with the learning rate decayed to 0 at its last step.
+        assert summary["steps"] == 9 and summary["learning_rate"] == pytest.approx(0.0, abs=1e-12)

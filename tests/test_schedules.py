@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds_cluster.loader.lr_schedules import warmup_cosine
+from ds_cluster.loader.lr_schedules import warmup_cosine, warmup_stable_decay
 
 
 def test_warmup_then_cosine_to_zero_at_the_last_step():
@@ -21,3 +21,15 @@ def test_the_length_is_read_at_every_call():
     assert factor(0) == 1.0  # before the run's length is known: one warm-up step
     steps["total"] = 20
     assert factor(0) == pytest.approx(0.5) and factor(20) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_warmup_stable_decay_holds_until_the_run_announces_its_end_then_decays_to_zero():
+    announced = {"cooldown": None}
+    factor = warmup_stable_decay(lambda: 100, 0.1, 0.2, lambda: announced["cooldown"])
+    assert [factor(step) for step in (0, 9)] == [pytest.approx(0.1), 1.0]
+    assert factor(50) == 1.0  # no end known yet: constant
+    announced["cooldown"] = (40, 60)
+    assert factor(40) == 1.0 and factor(50) == pytest.approx(0.5) and factor(60) == 0.0
+    announced["cooldown"] = None
+    # A run that reaches its cap decays over the last 20% of it.
+    assert factor(80) == 1.0 and factor(90) == pytest.approx(0.5) and factor(100) == 0.0

@@ -7,7 +7,9 @@ without replacement until the pool is used up. The window's per-cluster figures 
 handed over by `record_losses`, summed in fixed point, and the loss on a small probe set held out of training)
 are all-reduced over the data-parallel ranks when the next window starts, so every rank computes the same next
 shares (`planning.schedule`), and the ranks compare them. With budget_ratio "auto", a cluster that stops
-improving stops being drawn and the run ends when every cluster has stopped.
+improving stops being drawn (or keeps `auto_maintenance` of its natural share), and when every cluster has
+stopped the run ends, or first cools down for `auto_cooldown` of its steps over every cluster at the natural
+shares (`cooldown_steps` tells the learning-rate schedule when).
 
 The state (`state_dict`) is plain JSON: the window's origin (shares, rule state, streams before its draw) and
 the figures of its steps so far, summed over the ranks at save time; a resumed run redraws the window and sees
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +58,8 @@ class AdaptiveSettings:
     weighting: str
     temperature: float
     log_path: Optional[str] = None
+    cooldown: float = 0.0
+    maintenance: float = 0.0
 
     @classmethod
     def from_config(cls, config: Any) -> "AdaptiveSettings":
@@ -63,7 +68,8 @@ class AdaptiveSettings:
         return cls(rule=config.adaptive_rule, adapt_every=config.adapt_every, pool=config.adaptive_pool,
                    probe_size=config.probe_size, exploration=config.exploration, auto=config.budget_ratio == "auto",
                    tolerance=config.auto_tolerance, patience=config.auto_patience, weighting=config.weighting,
-                   temperature=config.weight_temperature, log_path=config.schedule_log or default_log)
+                   temperature=config.weight_temperature, log_path=config.schedule_log or default_log,
+                   cooldown=config.auto_cooldown, maintenance=config.auto_maintenance)
 
 
 class AdaptiveDataLoader(ClusterDataLoader):
@@ -162,6 +168,12 @@ class AdaptiveDataLoader(ClusterDataLoader):
         """Each cluster's sampling share in the window being drawn."""
         return [float(share) for share in self._origin["shares"]]
 
+    def cooldown_steps(self) -> Optional[tuple[int, int]]:
+        """(first step, end step) of the auto budget's cool-down once every cluster has stopped, else None: what
+        `lr_schedules.warmup_stable_decay` reads to take the learning rate to 0 at the run's end."""
+        cooldown = self._origin.get("cooldown")
+        return None if cooldown is None else (int(cooldown["start"]), int(cooldown["end"]))
+
     # ------------------------------------------------------------ windows
     def _has_pool(self) -> np.ndarray:
         return np.array([pool.size > 0 for pool in self.pools])
@@ -244,23 +256,35 @@ class AdaptiveDataLoader(ClusterDataLoader):
         stopped = np.asarray(origin["stopped"], dtype=bool)
         best = np.array([np.nan if b is None else b for b in origin["best"]], dtype=np.float64)
         stale = np.asarray(origin["stale"], dtype=np.int64)
-        if self.settings.auto:
+        cooldown = origin.get("cooldown")
+        steps_done = (self._window + 1) * self.settings.adapt_every
+        if self.settings.auto and cooldown is None:
             best, stale, stopped = auto_stop(best, stale, stopped, figures.tracked_loss, self.settings.tolerance,
                                              self.settings.patience)
         active = self._has_pool() & ~stopped
-        if not active.any():
+        shares, rule_state = np.asarray(origin["shares"], dtype=np.float64), origin["rule_state"]
+        if cooldown is not None:  # cooling down: the natural shares, until its end
+            self.finished = steps_done >= cooldown["end"]
+        elif not active.any() and self.settings.cooldown > 0:
+            # Every cluster has stopped: a last stretch over all of them (none forgotten) while the LR decays.
+            windows = max(1, math.ceil(self.settings.cooldown * (self._window + 1)))
+            cooldown = {"start": steps_done, "end": steps_done + windows * self.settings.adapt_every}
+            shares = _active_shares(self.natural, self._has_pool())
+        elif not active.any():
             self.finished = True
-            shares, rule_state = np.zeros(self.plan.num_clusters), origin["rule_state"]
         else:
             shares, rule_state = self.rule.update(origin["rule_state"], figures, self.natural, active,
                                                   self._window + 1, self.settings.exploration)
+            shares = _with_maintenance(shares, self.natural, self._has_pool() & stopped, self.settings.maintenance)
+        if self.finished:
+            shares = np.zeros(self.plan.num_clusters)
         digest = hashlib.sha256(np.round(shares, 12).tobytes() + json.dumps(rule_state).encode()).hexdigest()[:16]
         self.collectives.check_agreement((self._window, digest), f"adaptive schedule's shares after window "
                                                                  f"{self._window}")
-        self._log(figures, shares, stopped)
+        self._log(figures, shares, stopped, cooldown)
         return {"shares": shares.tolist(), "rule_state": rule_state, "streams": self._streams_after,
                 "stopped": stopped.tolist(), "best": [None if np.isnan(b) else float(b) for b in best],
-                "stale": stale.tolist()}
+                "stale": stale.tolist(), "cooldown": cooldown}
 
     def consumed(self) -> np.ndarray:
         """Distinct samples of each cluster drawn so far (a pool is used up before any sample repeats)."""
@@ -269,7 +293,8 @@ class AdaptiveDataLoader(ClusterDataLoader):
         drawn = np.array([passes * size + position for (passes, position), size in zip(streams, sizes)])
         return np.minimum(drawn, sizes)
 
-    def _log(self, figures: WindowFigures, shares: np.ndarray, stopped: np.ndarray) -> None:
+    def _log(self, figures: WindowFigures, shares: np.ndarray, stopped: np.ndarray,
+             cooldown: Optional[dict[str, int]]) -> None:
         if self.collectives.rank != 0 or not self.settings.log_path:
             return
         probe = figures.probe_loss
@@ -278,6 +303,8 @@ class AdaptiveDataLoader(ClusterDataLoader):
                 "shares": shares.tolist(), "samples_consumed": self.consumed().tolist(),
                 "kept_fraction": float(self.consumed().sum() / self.plan.num_samples),
                 "stopped": np.flatnonzero(stopped).tolist(), "finished": self.finished}
+        if cooldown is not None:
+            line["cooldown"] = [cooldown["start"], cooldown["end"]]
         with open(self.settings.log_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(line) + "\n")
 
@@ -315,6 +342,16 @@ def _window_weights(settings: AdaptiveSettings, cluster_sizes: np.ndarray, draws
     """Per-cluster loss weights of a window: the weighting rule on the natural sizes and the window's draws."""
     return WEIGHTINGS.get_rule(settings.weighting).cluster_weights(cluster_sizes, draws.astype(np.float64),
                                                                    settings.temperature)
+
+
+def _with_maintenance(shares: np.ndarray, natural: np.ndarray, stopped: np.ndarray, maintenance: float
+                      ) -> np.ndarray:
+    """The active clusters' shares, scaled down so that each stopped cluster keeps `maintenance` x its natural
+    share (what it has learned is revisited, not forgotten)."""
+    if maintenance <= 0 or not stopped.any():
+        return shares
+    kept = np.where(stopped, maintenance * natural, 0.0)
+    return shares * (1.0 - kept.sum()) + kept
 
 
 def _plain(values: np.ndarray) -> list:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 
 def warmup_cosine(total_steps: Callable[[], int], warmup_fraction: float) -> Callable[[int], float]:
@@ -18,4 +18,29 @@ def warmup_cosine(total_steps: Callable[[], int], warmup_fraction: float) -> Cal
         if step < warmup:
             return (step + 1) / warmup
         return 0.5 * (1.0 + math.cos(math.pi * min(step - warmup, total - warmup) / max(total - warmup, 1)))
+    return factor
+
+
+def warmup_stable_decay(total_steps: Callable[[], int], warmup_fraction: float, decay_fraction: float,
+                        cooldown: Callable[[], Optional[tuple[int, int]]] = lambda: None) -> Callable[[int], float]:
+    """A LambdaLR factor for a run that may end before its step cap (the adaptive schedule's auto budget):
+    linear warm-up over ``warmup_fraction`` of the cap, then constant, then linear to 0, over the last
+    ``decay_fraction`` of the cap, or sooner over the cool-down that ``cooldown`` announces ((first step, end
+    step), e.g. the adaptive loader's ``cooldown_steps``; None while the run goes on), whichever is lower.
+
+    The rate cannot decay towards an end nobody knows yet: it stays constant until the run has decided.
+    """
+    def factor(step: int) -> float:
+        total = max(total_steps(), 1)
+        warmup = max(1, round(warmup_fraction * total))
+        if step < warmup:
+            return (step + 1) / warmup
+        decay_start = total - max(1, round(decay_fraction * total))
+        value = 1.0 if step < decay_start else max(total - step, 0) / max(total - decay_start, 1)
+        announced = cooldown()
+        if announced is not None:
+            start, end = announced
+            if step >= start:
+                value = min(value, max(end - step, 0) / max(end - start, 1))
+        return value
     return factor
