@@ -84,3 +84,20 @@ def test_a_feature_model_makes_the_features_and_the_plan_trains_another_model(sm
     assert features.shape == (len(read_jsonl(small_job / "train.jsonl")), 64)
     assert_run_follows_plan(tmp_path / "out", loss_falls=False)  # 3 steps: too few to see the loss fall
     assert shm_buffers() - before == set()
+
+
+def test_chat_records_reach_a_feature_model_without_a_chat_template_as_the_trained_models_text(tmp_path):
+    from tests.fixtures.tokenizers import load_tokenizer
+
+    smollm2 = load_tokenizer("smollm2", tmp_path)  # the trained model's tokenizer, with its chat template
+    _, stories_tokenizer = load_model_and_tokenizer(STORIES)  # no chat template
+    chat = [{"messages": [{"role": "user", "content": "Reverse the letters: abc"},
+                          {"role": "assistant", "content": "cba"}], "family": "reverse"}, RECORDS[1]]
+    trained = InstructionDataset(chat, smollm2, max_length=96)
+    features_of = feature_dataset(trained, stories_tokenizer)
+    assert features_of.records[0]["family"] == "reverse" and "messages" not in features_of.records[0]
+    # The prompt the feature model reads is the trained model's rendered conversation, generation prompt included.
+    assert features_of.records[0]["prompt"].endswith("<|im_start|>user\nReverse the letters: abc<|im_end|>\n"
+                                                     "<|im_start|>assistant\n")
+    assert _response_text(features_of, stories_tokenizer, 0).strip() == "cba"
+    assert features_of.records[1] == trained.records[1]  # an Alpaca record as it was

@@ -66,8 +66,9 @@ def check_chat_template(tokenizer: Any, record: Mapping[str, Any], index: int) -
                          f"template: {NO_TEMPLATE_FIX}")
 
 
-def _render(tokenizer: Any, messages: Sequence[Mapping[str, str]], index: int,
-            add_generation_prompt: bool = False) -> str:
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]], index: int,
+                add_generation_prompt: bool = False) -> str:
+    """The turns rendered as text with the tokenizer's chat template; ValueError naming the record if it fails."""
     try:
         return tokenizer.apply_chat_template(list(messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
@@ -85,10 +86,10 @@ def _turn_start(tokenizer: Any, messages: Sequence[Mapping[str, str]], turn: int
     """
     earlier_end = 0
     if turn > 0:
-        prompt = _render(tokenizer, messages[:turn], index, add_generation_prompt=True)
+        prompt = render_chat(tokenizer, messages[:turn], index, add_generation_prompt=True)
         if text.startswith(prompt):
             return len(prompt)
-        earlier = _render(tokenizer, messages[:turn], index)
+        earlier = render_chat(tokenizer, messages[:turn], index)
         earlier_end = len(earlier) if text.startswith(earlier) else 0
     content = messages[turn]["content"].strip()
     found = text.find(content, earlier_end) if content else -1
@@ -107,7 +108,7 @@ def assistant_char_spans(tokenizer: Any, messages: Sequence[Mapping[str, str]], 
         if message["role"] != "assistant":
             continue
         start = _turn_start(tokenizer, messages, turn, text, index)
-        through_turn = _render(tokenizer, messages[:turn + 1], index)
+        through_turn = render_chat(tokenizer, messages[:turn + 1], index)
         if not text.startswith(through_turn):
             raise ValueError(f"record {index}: the chat template does not render turns 0..{turn} as the start "
                              "of the whole conversation, so the assistant tokens cannot be found by prefix; "
@@ -168,7 +169,7 @@ def encode_conversation(tokenizer: Any, messages: Sequence[Mapping[str, str]], i
     if GENERATION_MARKER.search(template):
         ids, assistant = _generation_marked_tokens(tokenizer, messages, index)
     else:
-        text = _render(tokenizer, messages, index)
+        text = render_chat(tokenizer, messages, index)
         ids, assistant = _tokens_in_spans(tokenizer, text, assistant_char_spans(tokenizer, messages, text, index),
                                           index)
     if not any(assistant):
@@ -195,5 +196,5 @@ def encode_chat_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]], in
     """Token ids of the conversation before its last assistant turn, with the generation prompt: what a model is
     given to produce that turn."""
     last = max(turn for turn, message in enumerate(messages) if message["role"] == "assistant")
-    text = _render(tokenizer, messages[:last], index, add_generation_prompt=True)
+    text = render_chat(tokenizer, messages[:last], index, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

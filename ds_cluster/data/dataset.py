@@ -152,6 +152,7 @@ class InstructionDataset(Dataset):
         ensure_pad_token(tokenizer, rank)
         self.records: list[dict] = [dict(_as_record(r, index)) for index, r in enumerate(records)]
         self.max_length = max_length
+        self.tokenizer = tokenizer  # a feature model's re-encoding renders chat records with its template
         count = len(self.records)
         # Padded positions are never read (mask 0, label -100): any id would do; the pad id keeps them tidy.
         self.input_ids = torch.full((count, max_length), pad_token_id_or_zero(tokenizer), dtype=torch.int64)

@@ -6,7 +6,9 @@ model sizes). The feature model may have its own tokenizer: every sample's
 prompt and response are re-encoded with it, from the dataset's records when
 it has them (`InstructionDataset.records`), else by decoding the trained
 tokenizer's ids (a dataset with a `tokenizer` attribute), so it scores the
-same response text. The trained model is never touched.
+same response text. Chat records meet a feature tokenizer without a chat
+template as text rendered with the trained tokenizer's template (the last
+assistant turn is the response). The trained model is never touched.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch
 
+from ds_cluster.data.chat import CHAT_FIELDS, chat_field, chat_messages, render_chat
 from ds_cluster.data.dataset import IGNORE_INDEX, InstructionDataset
 
 logger = logging.getLogger(__name__)
@@ -33,10 +36,25 @@ def feature_dataset(training_data: Any, feature_tokenizer: Any, max_length: Opti
     records = getattr(training_data, "records", None)
     if records is None:
         records = [_decoded_record(training_data, index) for index in range(len(training_data))]
+    trained = getattr(training_data, "tokenizer", None)
+    if not getattr(feature_tokenizer, "chat_template", None) and getattr(trained, "chat_template", None):
+        records = [_rendered_chat_record(trained, record, index) if chat_field(record) else record
+                   for index, record in enumerate(records)]
     if length is None:
         raise ValueError("cluster_sampling.feature_max_length is not set and the training data has no max_length: "
                          "set feature_max_length (tokens of the feature model's tokenizer)")
     return InstructionDataset(records, feature_tokenizer, max_length=int(length))
+
+
+def _rendered_chat_record(tokenizer: Any, record: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """A chat record as prompt/completion text, for a feature model without a chat template: the conversation
+    before its last assistant turn rendered with the trained tokenizer's template (generation prompt included),
+    and that turn's text; the feature model sees the text the trained model reads and scores the last answer."""
+    messages = chat_messages(record, index)
+    last = max(turn for turn, message in enumerate(messages) if message["role"] == "assistant")
+    prompt = render_chat(tokenizer, messages[:last], index, add_generation_prompt=True) if last else ""
+    kept = {key: value for key, value in record.items() if key not in CHAT_FIELDS}
+    return {**kept, "prompt": prompt, "completion": messages[last]["content"]}
 
 
 def _decoded_record(training_data: Any, index: int) -> dict[str, str]:
