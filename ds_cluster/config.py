@@ -115,10 +115,11 @@ class ClusterSamplingConfig(BaseModel):
     auto_patience: int = Field(3, ge=1)
     # budget_ratio "auto": once every cluster has stopped, the run goes on for this fraction of the steps it has
     # taken (whole windows, at least one) at the natural shares while the learning rate decays to 0
-    # (lr_schedules.warmup_stable_decay); 0 ends the run at once.
-    auto_cooldown: float = Field(0.0, ge=0.0, le=1.0)
-    # budget_ratio "auto": a stopped cluster keeps this fraction of its natural share (0: it is no longer drawn).
-    auto_maintenance: float = Field(0.0, ge=0.0, lt=1.0)
+    # (lr_schedules.warmup_stable_decay); 0 ends the run at once. With auto_maintenance: a stopped cluster keeps
+    # this fraction of its natural share (0: it is no longer drawn, and is forgotten). Both chosen on T0
+    # validation (bench/results/real/quality_choose_auto.md); 0 and 0 failed there.
+    auto_cooldown: float = Field(0.2, ge=0.0, le=1.0)
+    auto_maintenance: float = Field(0.25, ge=0.0, lt=1.0)
     schedule_log: Optional[str] = None
 
     @model_validator(mode="before")

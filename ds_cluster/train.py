@@ -34,7 +34,7 @@ from ds_cluster.ds_config import BLOCK_PATH, read_ds_config
 from ds_cluster.fileio import write_json_atomic
 from ds_cluster.loader.loss import weighted_causal_lm_loss
 from ds_cluster.data.models import load_model_and_tokenizer
-from ds_cluster.loader.lr_schedules import warmup_cosine, warmup_stable_decay
+from ds_cluster.loader.lr_schedules import auto_cooldown, warmup_cosine, warmup_stable_decay
 
 logger = logging.getLogger("ds_cluster.train")
 
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     scheduler = None
     made: dict[str, Any] = {}  # the loader, once deepspeed.initialize has built it
     block = ((config.get("data_efficiency") or {}).get("data_sampling") or {}).get("cluster_sampling") or {}
-    cooldown = float(block.get("auto_cooldown") or 0.0) if block.get("budget_ratio") == "auto" else 0.0
+    cooldown = auto_cooldown(block)
     if args.lr_schedule == "cosine" and cooldown > 0:
         # The auto budget decides its end while training: constant LR until then, linear to 0 over its cool-down.
         factor = warmup_stable_decay(lambda: run_steps["total"], args.warmup_fraction, cooldown / (1 + cooldown),

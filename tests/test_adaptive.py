@@ -108,7 +108,7 @@ def test_a_loop_that_hands_no_losses_gets_a_clear_error(tmp_path):
 
 
 def test_auto_budget_stops_clusters_that_stop_improving_and_ends_the_run(tmp_path):
-    loader = _loader(tmp_path, budget_ratio="auto", auto_patience=2, auto_tolerance=0.01)
+    loader = _loader(tmp_path, budget_ratio="auto", auto_patience=2, auto_tolerance=0.01, auto_cooldown=0.0)
     assert loader.plan.num_kept == loader.plan.num_samples  # auto: everything may be drawn
     batches = _train(loader, 1000)  # losses never improve: every cluster stops after patience + 1 windows
     assert loader.finished and loader.completed_epochs > 50

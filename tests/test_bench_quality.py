@@ -556,7 +556,7 @@ def test_the_smollm2_instrument_runs_its_chosen_recipe_and_names_each_mode_apart
     settings = _settings(["--model", "smollm2", *work])
     assert {key: getattr(settings, key) for key in first} == first
     assert settings.precision == "bf16" and settings.time_goal == 0.33 and settings.seeds == (0, 1, 2)
-    assert set(settings.arms) == {"full_cut", "random", "recommended", "recommended_small", "adaptive"}
+    assert set(settings.arms) == {"full_cut", "random", "recommended", "recommended_small", "adaptive", "auto"}
     names = {mode: _settings(["--model", "smollm2", *work, *flags]).results_name
              for mode, flags in (("grid", []), ("quick", ["--quick"]), ("gate", ["--gate-only"]))}
     assert names == {"grid": "quality_smollm2", "quick": "quality_smollm2_quick", "gate": "quality_smollm2_gate"}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds_cluster.loader.lr_schedules import warmup_cosine, warmup_stable_decay
+from ds_cluster.loader.lr_schedules import auto_cooldown, warmup_cosine, warmup_stable_decay
 
 
 def test_warmup_then_cosine_to_zero_at_the_last_step():
@@ -33,3 +33,10 @@ def test_warmup_stable_decay_holds_until_the_run_announces_its_end_then_decays_t
     announced["cooldown"] = None
     # A run that reaches its cap decays over the last 20% of it.
     assert factor(80) == 1.0 and factor(90) == pytest.approx(0.5) and factor(100) == 0.0
+
+
+def test_the_cool_down_share_is_read_from_the_block_defaults_included():
+    assert auto_cooldown({"schedule": "adaptive", "budget_ratio": "auto"}) == 0.2  # the default
+    assert auto_cooldown({"schedule": "adaptive", "budget_ratio": "auto", "auto_cooldown": 0.0}) == 0.0
+    assert auto_cooldown({"schedule": "adaptive", "budget_ratio": 0.3}) == 0.0  # a fixed budget: cosine
+    assert auto_cooldown({}) == 0.0

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 
 def warmup_cosine(total_steps: Callable[[], int], warmup_fraction: float) -> Callable[[int], float]:
@@ -44,3 +44,13 @@ def warmup_stable_decay(total_steps: Callable[[], int], warmup_fraction: float, 
                 value = min(value, max(end - step, 0) / max(end - start, 1))
         return value
     return factor
+
+
+def auto_cooldown(cluster_sampling: Mapping[str, Any]) -> float:
+    """The cool-down share of a `cluster_sampling` block's automatic budget (its `auto_cooldown`, default
+    included), 0.0 for any other budget: above 0, the run's learning rate wants `warmup_stable_decay`."""
+    from ds_cluster.config import ClusterSamplingConfig
+
+    if cluster_sampling.get("budget_ratio") != "auto":
+        return 0.0
+    return float(ClusterSamplingConfig.from_dict({**cluster_sampling, "enabled": True}).auto_cooldown)
