@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -175,6 +175,23 @@ def train_loop(args: argparse.Namespace, engine: Any, loader: Any, output: Path,
     return losses, time.perf_counter() - start, time.process_time() - cpu_start
 
 
+def lr_scheduler(args: argparse.Namespace, config: dict[str, Any], run_steps: dict[str, int],
+                 made: dict[str, Any]) -> Optional[Callable[[Any], Any]]:
+    """What deepspeed.initialize builds the LR scheduler with (None: constant). The run's length (`run_steps`)
+    and the loader (`made`) are read when the factor is, since both exist only after deepspeed.initialize."""
+    if args.lr_schedule != "cosine":
+        return None
+    block = ((config.get("data_efficiency") or {}).get("data_sampling") or {}).get("cluster_sampling") or {}
+    cooldown = auto_cooldown(block)
+    if cooldown > 0:
+        # The auto budget decides its end while training: constant LR until then, linear to 0 over its cool-down.
+        factor = warmup_stable_decay(lambda: run_steps["total"], args.warmup_fraction, cooldown / (1 + cooldown),
+                                     lambda: made["loader"].cooldown_steps() if "loader" in made else None)
+    else:
+        factor = warmup_cosine(lambda: run_steps["total"], args.warmup_fraction)
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -195,18 +212,8 @@ def main(argv=None) -> int:
 
     ds_cluster.install()  # the one line: deepspeed.initialize now returns the cluster-balanced loader
     run_steps = {"total": 0}
-    scheduler = None
     made: dict[str, Any] = {}  # the loader, once deepspeed.initialize has built it
-    block = ((config.get("data_efficiency") or {}).get("data_sampling") or {}).get("cluster_sampling") or {}
-    cooldown = auto_cooldown(block)
-    if args.lr_schedule == "cosine" and cooldown > 0:
-        # The auto budget decides its end while training: constant LR until then, linear to 0 over its cool-down.
-        factor = warmup_stable_decay(lambda: run_steps["total"], args.warmup_fraction, cooldown / (1 + cooldown),
-                                     lambda: made["loader"].cooldown_steps() if "loader" in made else None)
-        scheduler = lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)  # noqa: E731
-    elif args.lr_schedule == "cosine":
-        factor = warmup_cosine(lambda: run_steps["total"], args.warmup_fraction)
-        scheduler = lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)  # noqa: E731
+    scheduler = lr_scheduler(args, config, run_steps, made)
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                 training_data=dataset, config=config, lr_scheduler=scheduler,
                                                 collate_fn=trim_padding_collate)
