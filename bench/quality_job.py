@@ -39,7 +39,7 @@ from bench.quality_gate import calibration_gate  # noqa: E402
 from ds_cluster import distributed  # noqa: E402
 from ds_cluster.data.dataset import InstructionDataset, read_jsonl, trim_padding_collate  # noqa: E402
 from ds_cluster.fileio import write_json_atomic  # noqa: E402
-from ds_cluster.loader.lr_schedules import auto_cooldown, warmup_cosine, warmup_stable_decay  # noqa: E402
+from ds_cluster.loader.lr_schedules import run_schedule  # noqa: E402
 from ds_cluster.planning.selection import SELECTIONS  # noqa: E402
 
 EVALUATION_BATCH = 32
@@ -279,14 +279,7 @@ def run_arm(arm: dict, spec: dict, train: InstructionDataset, tokenizer: Any, sp
     config["data_efficiency"]["data_sampling"]["cluster_sampling"] = {**block, "enabled": True}
     steps = {"total": 0}
     made: dict[str, Any] = {}  # the loader, once ds_cluster.initialize has built it
-    cooldown = auto_cooldown(block)
-    if cooldown > 0:
-        # The auto budget ends when its clusters have stopped: constant LR until then, then linear to 0 over the
-        # cool-down the loader announces (or over the same share of the step cap, if the run reaches it).
-        schedule = warmup_stable_decay(lambda: steps["total"], spec["warmup_fraction"], cooldown / (1 + cooldown),
-                                       lambda: made["loader"].cooldown_steps() if "loader" in made else None)
-    else:
-        schedule = warmup_cosine(lambda: steps["total"], spec["warmup_fraction"])
+    schedule = run_schedule(block, lambda: steps["total"], spec["warmup_fraction"], lambda: made.get("loader"))
     clock = Clock()
     engine, _, loader, _ = ds_cluster.initialize(
         model=model, model_parameters=model.parameters(), training_data=train, config=config,

@@ -30,11 +30,11 @@ import torch
 import ds_cluster
 from ds_cluster import distributed
 from ds_cluster.data.dataset import DEFAULT_MAX_LENGTH, load_instruction_dataset, trim_padding_collate
-from ds_cluster.ds_config import BLOCK_PATH, read_ds_config
+from ds_cluster.ds_config import BLOCK_PATH, cluster_block, read_ds_config
 from ds_cluster.fileio import write_json_atomic
 from ds_cluster.loader.loss import weighted_causal_lm_loss
 from ds_cluster.data.models import load_model_and_tokenizer
-from ds_cluster.loader.lr_schedules import auto_cooldown, warmup_cosine, warmup_stable_decay
+from ds_cluster.loader.lr_schedules import run_schedule
 
 logger = logging.getLogger("ds_cluster.train")
 
@@ -181,14 +181,8 @@ def lr_scheduler(args: argparse.Namespace, config: dict[str, Any], run_steps: di
     and the loader (`made`) are read when the factor is, since both exist only after deepspeed.initialize."""
     if args.lr_schedule != "cosine":
         return None
-    block = ((config.get("data_efficiency") or {}).get("data_sampling") or {}).get("cluster_sampling") or {}
-    cooldown = auto_cooldown(block)
-    if cooldown > 0:
-        # The auto budget decides its end while training: constant LR until then, linear to 0 over its cool-down.
-        factor = warmup_stable_decay(lambda: run_steps["total"], args.warmup_fraction, cooldown / (1 + cooldown),
-                                     lambda: made["loader"].cooldown_steps() if "loader" in made else None)
-    else:
-        factor = warmup_cosine(lambda: run_steps["total"], args.warmup_fraction)
+    factor = run_schedule(cluster_block(config), lambda: run_steps["total"], args.warmup_fraction,
+                          lambda: made.get("loader"))
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds_cluster.loader.lr_schedules import auto_cooldown, warmup_cosine, warmup_stable_decay
+from ds_cluster.loader.lr_schedules import run_schedule, warmup_cosine, warmup_stable_decay
 
 
 def test_warmup_then_cosine_to_zero_at_the_last_step():
@@ -35,8 +35,19 @@ def test_warmup_stable_decay_holds_until_the_run_announces_its_end_then_decays_t
     assert factor(80) == 1.0 and factor(90) == pytest.approx(0.5) and factor(100) == 0.0
 
 
-def test_the_cool_down_share_is_read_from_the_block_defaults_included():
-    assert auto_cooldown({"schedule": "adaptive", "budget_ratio": "auto"}) == 0.2  # the default
-    assert auto_cooldown({"schedule": "adaptive", "budget_ratio": "auto", "auto_cooldown": 0.0}) == 0.0
-    assert auto_cooldown({"schedule": "adaptive", "budget_ratio": 0.3}) == 0.0  # a fixed budget: cosine
-    assert auto_cooldown({}) == 0.0
+def test_a_runs_schedule_is_cosine_unless_an_auto_budget_cools_down_defaults_included():
+    class Loader:
+        def cooldown_steps(self):
+            return (40, 60)
+
+    cosine = warmup_cosine(lambda: 100, 0.05)
+    for block in ({"schedule": "adaptive", "budget_ratio": 0.3}, {}, None,
+                  {"schedule": "adaptive", "budget_ratio": "auto", "auto_cooldown": 0.0}):
+        factor = run_schedule(block, lambda: 100, 0.05, lambda: Loader())
+        assert [factor(step) for step in (3, 50, 90)] == [cosine(step) for step in (3, 50, 90)]
+    made = {}
+    factor = run_schedule({"schedule": "adaptive", "budget_ratio": "auto"}, lambda: 100, 0.05,
+                          lambda: made.get("loader"))  # auto_cooldown's default, 0.2
+    assert factor(50) == 1.0 and factor(90) == pytest.approx(((100 - 90) / round(100 / 6)))  # the cap's last 1/6
+    made["loader"] = Loader()
+    assert factor(50) == pytest.approx(0.5) and factor(60) == 0.0

@@ -192,9 +192,14 @@ def truncate_conversation(ids: list[int], assistant: list[bool], max_length: int
     return ids[:max_length], assistant[:max_length]
 
 
+def last_assistant_turn(messages: Sequence[Mapping[str, str]]) -> int:
+    """The index of the conversation's last assistant turn (chat_messages guarantees there is one)."""
+    return max(turn for turn, message in enumerate(messages) if message["role"] == "assistant")
+
+
 def encode_chat_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]], index: int) -> list[int]:
     """Token ids of the conversation before its last assistant turn, with the generation prompt: what a model is
     given to produce that turn."""
-    last = max(turn for turn, message in enumerate(messages) if message["role"] == "assistant")
+    last = last_assistant_turn(messages)
     text = render_chat(tokenizer, messages[:last], index, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ds_cluster.data.chat import (chat_field, chat_messages, check_chat_template, encode_chat_prompt, encode_conversation,
-                             truncate_conversation)
+                             last_assistant_turn, truncate_conversation)
 from ds_cluster.fileio import write_jsonl_atomic
 from ds_cluster.data.special_tokens import bos_prefix, ensure_pad_token, pad_token_id_or_zero
 
@@ -128,7 +128,7 @@ def prompt_text(record: Mapping[str, Any], index: int = 0) -> str:
     (the report's cluster descriptions), never for training."""
     if chat_field(record) is not None:
         messages = chat_messages(record, index)
-        last = max(turn for turn, message in enumerate(messages) if message["role"] == "assistant")
+        last = last_assistant_turn(messages)
         return "\n".join(message["content"] for message in messages[:last])
     if record.get("prompt") is not None and record.get("instruction") is None:
         return str(record["prompt"])

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch
 
-from ds_cluster.data.chat import CHAT_FIELDS, chat_field, chat_messages, render_chat
+from ds_cluster.data.chat import CHAT_FIELDS, chat_field, chat_messages, last_assistant_turn, render_chat
 from ds_cluster.data.dataset import IGNORE_INDEX, InstructionDataset
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def _rendered_chat_record(tokenizer: Any, record: Mapping[str, Any], index: int)
     before its last assistant turn rendered with the trained tokenizer's template (generation prompt included),
     and that turn's text; the feature model sees the text the trained model reads and scores the last answer."""
     messages = chat_messages(record, index)
-    last = max(turn for turn, message in enumerate(messages) if message["role"] == "assistant")
+    last = last_assistant_turn(messages)
     prompt = render_chat(tokenizer, messages[:last], index, add_generation_prompt=True) if last else ""
     kept = {key: value for key, value in record.items() if key not in CHAT_FIELDS}
     return {**kept, "prompt": prompt, "completion": messages[last]["content"]}

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Optional
 
+from ds_cluster.config import ClusterSamplingConfig
+
 
 def warmup_cosine(total_steps: Callable[[], int], warmup_fraction: float) -> Callable[[int], float]:
     """A LambdaLR factor: linear warm-up over ``warmup_fraction`` of the steps, then cosine to 0 at the last step.
@@ -46,11 +48,20 @@ def warmup_stable_decay(total_steps: Callable[[], int], warmup_fraction: float, 
     return factor
 
 
-def auto_cooldown(cluster_sampling: Mapping[str, Any]) -> float:
-    """The cool-down share of a `cluster_sampling` block's automatic budget (its `auto_cooldown`, default
-    included), 0.0 for any other budget: above 0, the run's learning rate wants `warmup_stable_decay`."""
-    from ds_cluster.config import ClusterSamplingConfig
+def run_schedule(cluster_sampling: Optional[Mapping[str, Any]], total_steps: Callable[[], int],
+                 warmup_fraction: float, loader: Callable[[], Any]) -> Callable[[int], float]:
+    """The LambdaLR factor of a run: `warmup_cosine` to the run's last step, or, for an automatic budget with a
+    cool-down (`auto_cooldown`, its default included), `warmup_stable_decay` over the cool-down that the
+    loader (`loader()`: None until deepspeed.initialize has built it) announces."""
+    block = cluster_sampling or {}
+    cooldown = 0.0
+    if block.get("budget_ratio") == "auto":
+        cooldown = float(ClusterSamplingConfig.from_dict({**block, "enabled": True}).auto_cooldown)
+    if cooldown <= 0:
+        return warmup_cosine(total_steps, warmup_fraction)
 
-    if cluster_sampling.get("budget_ratio") != "auto":
-        return 0.0
-    return float(ClusterSamplingConfig.from_dict({**cluster_sampling, "enabled": True}).auto_cooldown)
+    def announced() -> Optional[tuple[int, int]]:
+        built = loader()
+        return None if built is None else built.cooldown_steps()
+    # The auto budget decides its end while training: constant LR until then, linear to 0 over its cool-down.
+    return warmup_stable_decay(total_steps, warmup_fraction, cooldown / (1 + cooldown), announced)
