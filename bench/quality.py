@@ -12,6 +12,7 @@
                                                   # of the machinery, not a quality claim
     python bench/quality.py --gate-only           # only the calibration gate's arms
     python bench/quality.py --choose              # the candidates for the recommended preset, validation only
+    python bench/quality.py --choose-overhead     # the adaptive schedule's window and probe size, under 1% of the loop
     python bench/quality.py --report-only         # rebuild the report from finished arms
     python bench/quality.py --base-model DIR      # another base model (a Hugging Face checkpoint folder)
     python bench/quality.py --arms random,recommended --no-ablations   # only these arms beside full data
@@ -94,6 +95,8 @@ ADAPTIVE_PRESET: dict[str, Any] = {"schedule": "adaptive", "adaptive_rule": "los
 AUTO_PRESET: dict[str, Any] = {**ADAPTIVE_PRESET, "budget_ratio": "auto", "auto_tolerance": 0.03, "auto_patience": 3,
                                "auto_cooldown": 0.2, "auto_maintenance": 0.25}
 EQUAL_STEPS_KINDS = ("random", "recommended")
+# Issue 33's bound on the adaptive schedule's cost: the loader's share of the training loop (--choose-overhead).
+OVERHEAD_LIMIT = 0.01
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,8 @@ class Settings:
     gradient_accumulation_steps: int = 1
     time_goal: float = 0.40  # the preset's total time at the headline fraction, over full data's
     candidates: dict = field(default_factory=dict)  # --choose: name -> cluster_sampling block
+    # --choose-overhead: only candidates whose mean loader share of the training loop is below this may be chosen
+    overhead_limit: Optional[float] = None
     ablations: bool = False
     equal_steps: bool = False
     gate_only: bool = False
@@ -617,6 +622,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--choose-auto", action="store_true",
                         help="choose the automatic budget (budget_ratio auto) among bench/candidates.json's \"auto\" "
                              "list, T0 validation only, beside full data and the random subset")
+    parser.add_argument("--choose-overhead", action="store_true",
+                        help="choose the adaptive schedule's window and probe size among bench/candidates.json's "
+                             "\"adaptive_overhead\" list: the lowest macro validation loss among those whose loader "
+                             "share of the training loop is under 1%%, T0 validation only")
     parser.add_argument("--seeds", type=int, default=len(Settings.seeds), help="paired seeds (default 4)")
     parser.add_argument("--work-dir", type=Path, default=None, help="default runs/bench_[real_]NAME")
     parser.add_argument("--results-dir", type=Path, default=None,
@@ -654,6 +663,7 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     # Each mode has its own name, so a smoke or choosing run never reuses or overwrites the default's arms.
     name = args.name if args.name != "quality" else (
         "quality_choose_adaptive" if args.choose_adaptive else "quality_choose_auto" if args.choose_auto
+        else "quality_choose_overhead" if args.choose_overhead
         else "quality_choose" if args.choose
         else "quality_quick" if args.quick else "quality_gate" if args.gate_only else "quality")
     given = argv if argv is not None else sys.argv[1:]
@@ -713,15 +723,16 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     if args.test_epochs is not None:
         settings = replace(settings, epochs=args.test_epochs, fractions=(0.3,), ablations=False,
                            arms=("random", "paper"), copy_probe_records=8, features_cache=None)
-    if args.choose or args.choose_adaptive or args.choose_auto:
+    if args.choose or args.choose_adaptive or args.choose_auto or args.choose_overhead:
         declared = json.loads((REPO / "bench" / "candidates.json").read_text())[
-            "adaptive" if args.choose_adaptive else "auto" if args.choose_auto else settings.instrument]
+            "adaptive" if args.choose_adaptive else "auto" if args.choose_auto
+            else "adaptive_overhead" if args.choose_overhead else settings.instrument]
         candidates = {name: block for name, block in declared.items() if not name.startswith("_")}  # "_rule"
         if settings.instrument == "synthetic":
             # Declared and measured when proxy was the default feature kind; they keep it, so they reproduce.
             candidates = {name: {"feature_kind": "proxy", **block} for name, block in candidates.items()}
         settings = replace(settings, candidates=candidates, fractions=(settings.headline_fraction,),
-                           ablations=False)
+                           ablations=False, overhead_limit=OVERHEAD_LIMIT if args.choose_overhead else None)
     return with_feature_models(settings)
 
 

@@ -181,10 +181,14 @@ def loader_overhead(arms: list[dict], results: dict) -> dict[str, list[float]]:
     return dict(shares)
 
 
-def adaptive_choice_lines(summary: dict, candidates: dict, fraction: float) -> list[str]:
+def adaptive_choice_lines(summary: dict, candidates: dict, fraction: float,
+                          overhead: Optional[dict[str, list[float]]] = None,
+                          overhead_limit: Optional[float] = None) -> list[str]:
     """bench/candidates.json's declared rule applied to the validation summary: among the adaptive candidates
-    at the subsets' step count, the lowest mean macro validation loss; among the auto candidates, the lower
-    mean macro loss of those whose mean total time is at most 0.5 of full data's (else the faster)."""
+    at the subsets' step count, the lowest mean macro validation loss (with `overhead_limit`: among those whose
+    mean loader share of the training loop, from `overhead`, is below it; none if none is); among the auto
+    candidates, the lower mean macro loss of those whose mean total time is at most 0.5 of full data's (else the
+    faster)."""
     rows = summary["settings"]
     fixed = {name: rows[f"{name}_f{fraction:g}"] for name, block in candidates.items()
              if block.get("budget_ratio") != "auto" and f"{name}_f{fraction:g}" in rows}
@@ -193,7 +197,21 @@ def adaptive_choice_lines(summary: dict, candidates: dict, fraction: float) -> l
     if not fixed and not auto:
         return []
     lines = ["## Choice (the declared rule, validation only)", ""]
-    if fixed:
+    if fixed and overhead_limit is not None:
+        shares = {name: float(np.mean(overhead[f"{name}_f{fraction:g}"])) for name in fixed
+                  if (overhead or {}).get(f"{name}_f{fraction:g}")}
+        eligible = {name: fixed[name] for name in fixed if name in shares and shares[name] < overhead_limit}
+        listing = ", ".join(f"{n} {e['loss_macro']['mean']:.4f} (loader {shares[n]:.2%})" if n in shares else
+                            f"{n} {e['loss_macro']['mean']:.4f} (loader share not measured)"
+                            for n, e in sorted(fixed.items(), key=lambda item: item[1]["loss_macro"]["mean"]))
+        if eligible:
+            best = min(eligible, key=lambda name: eligible[name]["loss_macro"]["mean"])
+            lines.append(f"- adaptive schedule: **{best}**, the lowest mean macro validation answer loss of those "
+                         f"whose loader share is under {overhead_limit:.0%} ({listing})")
+        else:
+            lines.append(f"- adaptive schedule: **none** has a loader share under {overhead_limit:.0%}: the goal is "
+                         f"not met ({listing})")
+    elif fixed:
         best = min(fixed, key=lambda name: fixed[name]["loss_macro"]["mean"])
         lines.append(f"- adaptive schedule: **{best}** (mean macro validation answer loss "
                      f"{fixed[best]['loss_macro']['mean']:.4f}; the candidates: "
@@ -518,7 +536,8 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
                   for name, values in sorted(overhead.items(), key=lambda item: _order(item[0]))] + [""]
     if getattr(settings, "candidates", None) and validation_only:
         lines += adaptive_choice_lines(summaries["validation"], settings.candidates,
-                                       getattr(settings, "headline_fraction", 0.3))
+                                       getattr(settings, "headline_fraction", 0.3), overhead,
+                                       getattr(settings, "overhead_limit", None))
     ablations = ablation_rows(arms, results, main_split, getattr(settings, "headline_fraction", 0.3))
     if ablations:
         lines += [f"## {main_split}: the paper's ablations beside its claims (paired over seeds, answer loss)", "",

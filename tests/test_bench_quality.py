@@ -575,3 +575,27 @@ def test_a_chat_record_of_the_benchmark_keeps_its_metadata_prompt_and_reference_
     assert (chat["family"], chat["example_id"], chat["output"]) == ("sentiment", "x1", "yes")
     # Near-duplicate groups and the report read the same prompt text from either form.
     assert near_duplicates.prompt_text(chat) == near_duplicates.prompt_text(record)
+
+
+def test_the_overhead_choice_runs_its_declared_list_and_only_picks_a_setting_under_the_limit(tmp_path):
+    from bench.quality_report import adaptive_choice_lines
+
+    settings = _settings(["--choose-overhead", "--work-dir", str(tmp_path)])
+    declared = json.loads((REPO / "bench" / "candidates.json").read_text())["adaptive_overhead"]
+    assert settings.results_name == "quality_choose_overhead" and settings.overhead_limit == 0.01
+    assert set(settings.candidates) == {name for name in declared if not name.startswith("_")}
+
+    def row(loss: float) -> dict:
+        return {"loss_macro": {"mean": loss}}
+
+    summary = {"settings": {"fast_f0.3": row(1.9), "slow_f0.3": row(1.8), "cheaper_f0.3": row(2.0)}}
+    candidates = {"fast": {}, "slow": {}, "cheaper": {}}
+    shares = {"fast_f0.3": [0.008, 0.009], "slow_f0.3": [0.02, 0.02], "cheaper_f0.3": [0.004, 0.005]}
+    # The lowest loss (slow) costs 2%: the lowest loss among those under 1% is chosen.
+    lines = adaptive_choice_lines(summary, candidates, 0.3, shares, 0.01)
+    assert "**fast**" in lines[2] and "slow 1.8000 (loader 2.00%)" in lines[2]
+    # A mean at the limit is not under it; none under it: the goal is reported as not met.
+    lines = adaptive_choice_lines(summary, candidates, 0.3, {k: [0.01, 0.03] for k in shares}, 0.01)
+    assert "**none**" in lines[2] and "not met" in lines[2]
+    # Without a limit the rule is the earlier one: the lowest loss.
+    assert "**slow**" in adaptive_choice_lines(summary, candidates, 0.3)[2]
