@@ -87,13 +87,17 @@ KNOWN_ARMS = REAL_ARMS + ("adaptive", "auto", "recommended_small")
 # The adaptive schedule the benchmark runs: the candidate bench/candidates.json's "adaptive" choice picked on T0's
 # validation split (bench/README.md, docs/adaptive.md), on the recommended preset's clusters.
 # Chosen 2026-12-03 (bench/results/real/quality_choose_adaptive.md): adaptive_loss, the lowest mean macro validation
-# loss of the declared candidates. The automatic budget: auto_cooldown_maintenance of candidates.json's "auto" list
-# (bench/results/real/quality_choose_auto.md: the lowest macro validation loss and the fastest, none within 0.5 of
-# full data's time), after both earlier auto candidates failed (quality_choose_adaptive.md).
-ADAPTIVE_PRESET: dict[str, Any] = {"schedule": "adaptive", "adaptive_rule": "loss", "adapt_every": 10,
-                                   "adaptive_pool": "all", "probe_size": 4, "exploration": 0.1, "weighting": "cluster"}
-AUTO_PRESET: dict[str, Any] = {**ADAPTIVE_PRESET, "budget_ratio": "auto", "auto_tolerance": 0.03, "auto_patience": 3,
-                               "auto_cooldown": 0.2, "auto_maintenance": 0.25}
+# loss of the declared candidates; its window and probe size then from candidates.json's "adaptive_overhead" list
+# (bench/results/real/quality_choose_overhead.md: window 20 with a probe of 2, the only one under 1% of the loop).
+# The automatic budget: auto_cooldown_maintenance of candidates.json's "auto" list (bench/results/real/
+# quality_choose_auto.md: the lowest macro validation loss and the fastest, none within 0.5 of full data's time),
+# after both earlier auto candidates failed (quality_choose_adaptive.md); it keeps the window 10 and probe 4 it was
+# chosen and confirmed with.
+ADAPTIVE_PRESET: dict[str, Any] = {"schedule": "adaptive", "adaptive_rule": "loss", "adapt_every": 20,
+                                   "adaptive_pool": "all", "probe_size": 2, "exploration": 0.1, "weighting": "cluster"}
+AUTO_PRESET: dict[str, Any] = {**ADAPTIVE_PRESET, "adapt_every": 10, "probe_size": 4, "budget_ratio": "auto",
+                               "auto_tolerance": 0.03, "auto_patience": 3, "auto_cooldown": 0.2,
+                               "auto_maintenance": 0.25}
 EQUAL_STEPS_KINDS = ("random", "recommended")
 # Issue 33's bound on the adaptive schedule's cost: the loader's share of the training loop (--choose-overhead).
 OVERHEAD_LIMIT = 0.01
