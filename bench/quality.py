@@ -629,6 +629,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--choose-auto", action="store_true",
                         help="choose the automatic budget (budget_ratio auto) among bench/candidates.json's \"auto\" "
                              "list, T0 validation only, beside full data and the random subset")
+    parser.add_argument("--choose-auto-overhead", action="store_true",
+                        help="choose the automatic budget's stopping signal among bench/candidates.json's "
+                             "\"auto_overhead\" list: the fastest of those under 1%% of the loop and within the "
+                             "noise of full data's loss, T0 validation only, beside full data and the random subset")
     parser.add_argument("--choose-overhead", action="store_true",
                         help="choose the adaptive schedule's window and probe size among bench/candidates.json's "
                              "\"adaptive_overhead\" list: the lowest macro validation loss among those whose loader "
@@ -671,6 +675,7 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     name = args.name if args.name != "quality" else (
         "quality_choose_adaptive" if args.choose_adaptive else "quality_choose_auto" if args.choose_auto
         else "quality_choose_overhead" if args.choose_overhead
+        else "quality_choose_auto_overhead" if args.choose_auto_overhead
         else "quality_choose" if args.choose
         else "quality_quick" if args.quick else "quality_gate" if args.gate_only else "quality")
     given = argv if argv is not None else sys.argv[1:]
@@ -730,16 +735,18 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     if args.test_epochs is not None:
         settings = replace(settings, epochs=args.test_epochs, fractions=(0.3,), ablations=False,
                            arms=("random", "paper"), copy_probe_records=8, features_cache=None)
-    if args.choose or args.choose_adaptive or args.choose_auto or args.choose_overhead:
+    overhead_choice = args.choose_overhead or args.choose_auto_overhead
+    if args.choose or args.choose_adaptive or args.choose_auto or overhead_choice:
         declared = json.loads((REPO / "bench" / "candidates.json").read_text())[
             "adaptive" if args.choose_adaptive else "auto" if args.choose_auto
-            else "adaptive_overhead" if args.choose_overhead else settings.instrument]
+            else "adaptive_overhead" if args.choose_overhead
+            else "auto_overhead" if args.choose_auto_overhead else settings.instrument]
         candidates = {name: block for name, block in declared.items() if not name.startswith("_")}  # "_rule"
         if settings.instrument == "synthetic":
             # Declared and measured when proxy was the default feature kind; they keep it, so they reproduce.
             candidates = {name: {"feature_kind": "proxy", **block} for name, block in candidates.items()}
         settings = replace(settings, candidates=candidates, fractions=(settings.headline_fraction,),
-                           ablations=False, overhead_limit=OVERHEAD_LIMIT if args.choose_overhead else None)
+                           ablations=False, overhead_limit=OVERHEAD_LIMIT if overhead_choice else None)
     return with_feature_models(settings)
 
 

@@ -217,7 +217,9 @@ def adaptive_choice_lines(summary: dict, candidates: dict, fraction: float,
                      f"{fixed[best]['loss_macro']['mean']:.4f}; the candidates: "
                      + ", ".join(f"{n} {e['loss_macro']['mean']:.4f}" for n, e in sorted(
                          fixed.items(), key=lambda item: item[1]["loss_macro"]["mean"])) + ")")
-    if auto:
+    if auto and overhead_limit is not None:
+        lines.append(_auto_overhead_choice(auto, overhead or {}, overhead_limit))
+    elif auto:
         fast = {n: e for n, e in auto.items() if e["ratio_total_cpu"]["mean"] <= 0.5}
         pool = fast or auto
         key = (lambda n: pool[n]["loss_macro"]["mean"]) if fast else (lambda n: pool[n]["ratio_total_cpu"]["mean"])
@@ -227,6 +229,29 @@ def adaptive_choice_lines(summary: dict, candidates: dict, fraction: float,
             f"{e['kept_fraction']['mean']:.3f}" for n, e in sorted(auto.items())) + ("" if fast else
             "; none within 0.5 of full data's time: the faster") + ")")
     return lines + [""]
+
+
+def _auto_overhead_choice(auto: dict, overhead: dict[str, list[float]], overhead_limit: float) -> str:
+    """The "auto_overhead" rule: among the auto candidates whose mean loader share is under the limit and whose
+    macro loss is within the noise of full data's or below (the paired 95% CI reaches 0 or lies below), the
+    lowest mean total time over full data's."""
+    def within_full(entry: dict) -> bool:
+        difference = entry.get("vs_full", {}).get("loss_macro")
+        return difference is not None and difference["mean"] - difference["ci"] <= 0
+
+    shares = {name: float(np.mean(overhead[name])) for name in auto if overhead.get(name)}
+    eligible = [name for name in auto if name in shares and shares[name] < overhead_limit and within_full(auto[name])]
+    listing = "; ".join(
+        f"{n}: loader {shares[n]:.2%}, macro minus full {e['vs_full']['loss_macro']['mean']:+.4f} ± "
+        f"{e['vs_full']['loss_macro']['ci']:.4f}, total time / full {e['ratio_total_cpu']['mean']:.3f}, kept "
+        f"{e['kept_fraction']['mean']:.3f}" if n in shares and "vs_full" in e else f"{n}: not measured"
+        for n, e in sorted(auto.items()))
+    if not eligible:
+        return (f"- auto budget: **none** is under {overhead_limit:.0%} of the loop and within the noise of full "
+                f"data's loss: it keeps its settings and the goal is not met ({listing})")
+    best = min(eligible, key=lambda name: auto[name]["ratio_total_cpu"]["mean"])
+    return (f"- auto budget: **{best}**, the fastest of those under {overhead_limit:.0%} of the loop and within "
+            f"the noise of full data's loss ({listing})")
 
 
 def paired_difference(per_seed: dict, other: dict, split: str) -> dict[str, dict]:

@@ -599,3 +599,26 @@ def test_the_overhead_choice_runs_its_declared_list_and_only_picks_a_setting_und
     assert "**none**" in lines[2] and "not met" in lines[2]
     # Without a limit the rule is the earlier one: the lowest loss.
     assert "**slow**" in adaptive_choice_lines(summary, candidates, 0.3)[2]
+
+
+def test_the_auto_overhead_choice_takes_the_fastest_cheap_candidate_within_the_noise_of_full_data(tmp_path):
+    from bench.quality_report import adaptive_choice_lines
+
+    settings = _settings(["--choose-auto-overhead", "--work-dir", str(tmp_path)])
+    assert settings.results_name == "quality_choose_auto_overhead" and settings.overhead_limit == 0.01
+    assert all(block["budget_ratio"] == "auto" for block in settings.candidates.values())
+
+    def row(vs_full: float, ci: float, time: float) -> dict:
+        return {"loss_macro": {"mean": 2.0 + vs_full}, "vs_full": {"loss_macro": {"mean": vs_full, "ci": ci}},
+                "ratio_total_cpu": {"mean": time}, "kept_fraction": {"mean": 0.9}}
+
+    candidates = {"fast_worse": {"budget_ratio": "auto"}, "level": {"budget_ratio": "auto"},
+                  "level_slower": {"budget_ratio": "auto"}, "costly": {"budget_ratio": "auto"}}
+    summary = {"settings": {"fast_worse": row(0.05, 0.02, 0.4), "level": row(0.01, 0.02, 0.9),
+                            "level_slower": row(-0.01, 0.02, 1.0), "costly": row(-0.02, 0.01, 0.3)}}
+    shares = {"fast_worse": [0.005], "level": [0.006], "level_slower": [0.004], "costly": [0.02]}
+    # fast_worse is above full data beyond the noise and costly over 1%: the faster of the other two.
+    lines = adaptive_choice_lines(summary, candidates, 0.3, shares, 0.01)
+    assert "**level**" in lines[2]
+    lines = adaptive_choice_lines(summary, candidates, 0.3, {**shares, "level": [0.02], "level_slower": [0.03]}, 0.01)
+    assert "**none**" in lines[2] and "not met" in lines[2]
