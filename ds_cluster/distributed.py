@@ -8,6 +8,7 @@ import atexit
 import gc
 import logging
 import os
+import random
 import socket
 import time
 import uuid
@@ -98,7 +99,8 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     """Start the process group the way DeepSpeed does, after our own MPI discovery."""
     if is_initialized():
         return
-    if launched_by_mpi():
+    under_mpi = launched_by_mpi()  # asked before discovery sets RANK
+    if under_mpi:
         mpi_discovery()
     else:
         # A single process started by hand: DeepSpeed would fall back to MPI discovery.
@@ -109,7 +111,20 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
 
-    deepspeed.init_distributed(auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s))
+    try:
+        deepspeed.init_distributed(auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s))
+    except Exception:
+        if not under_mpi:
+            raise
+        # Under mpirun a rank that fails here (rank 0's rendezvous port taken: EADDRINUSE) would leave the others
+        # waiting out the rendezvous timeout and itself blocked in MPI's finalize at exit: stop the whole job now.
+        logger.exception("rank %s could not start the process group (MASTER_ADDR %s, MASTER_PORT %s): stopping "
+                         "every rank", os.environ.get("RANK"), os.environ.get("MASTER_ADDR"),
+                         os.environ.get("MASTER_PORT"))
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+        raise
     release_shared_memory_buffer()
 
 
@@ -144,11 +159,35 @@ def release_shared_memory_buffer() -> None:
     atexit.register(path.unlink, missing_ok=True)
 
 
-def free_port() -> int:
-    """A TCP port free on loopback right now (for MASTER_PORT of a job on this machine)."""
+def free_port(attempts: int = 64) -> int:
+    """A TCP port free on loopback right now (for MASTER_PORT of a job on this machine).
+
+    Taken below the kernel's ephemeral range, where no outgoing connection (mpirun's daemons, gloo's own
+    sockets) can be handed the port between this check and the job binding it; a port the kernel picks
+    itself could be (EADDRINUSE at the rendezvous). Falls back to the kernel's pick if none is free there.
+    """
+    low = _ephemeral_port_low()
+    first = max(1024, low - 16384)
+    chooser = random.SystemRandom()  # not the seeded streams: a port is no part of a plan
+    for _ in range(attempts if low - first > 0 else 0):
+        port = chooser.randrange(first, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_port_low() -> int:
+    """The first port of the range the kernel hands to outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def all_gather_object(value: Any, group: Any = None) -> list[Any]:

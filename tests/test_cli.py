@@ -178,3 +178,18 @@ def test_train_runs_two_ranks_with_the_deepspeed_launcher(small_job: Path, tmp_p
     for param in model.parameters():  # as ds_cluster.train's parameter_digest
         digest.update(param.detach().float().cpu().numpy().round(5).tobytes())
     assert digest.hexdigest()[:16] == summaries[0]["parameter_digest"], "saved weights are not the trained ones"
+
+
+def test_a_jobs_master_port_is_free_and_outside_the_range_outgoing_connections_take():
+    # A port the kernel may also hand to an outgoing socket (mpirun's daemons, gloo) can be taken between the
+    # check and the rendezvous: the job then fails with EADDRINUSE (seen on a clean-clone run of the suite).
+    import socket
+
+    from ds_cluster.distributed import _ephemeral_port_low, free_port
+
+    low = _ephemeral_port_low()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports) and len(ports) > 1
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))

@@ -210,3 +210,22 @@ def test_selection_in_the_training_job_resumes_after_a_kill_and_is_reused(small_
     check(run_mpirun(job(tmp_path / "second"), timeout=300))
     assert json.loads((tmp_path / "second" / "summary_rank0.json").read_text())["analysis_timings"] == {}
     assert Plan.load(tmp_path / "second" / "plan").fingerprint() == Plan.load(tmp_path / "first" / "plan").fingerprint()
+
+
+# ------------------------------------------------------------------------------------------ rendezvous
+@pytest.mark.integration
+def test_a_taken_rendezvous_port_under_mpirun_stops_every_rank_at_once(small_job, tmp_path):  # noqa: F811
+    # Rank 0 cannot listen on MASTER_PORT (EADDRINUSE): without an abort, rank 1 waits out the rendezvous timeout
+    # and rank 0 blocks in MPI's finalize (a suite run once hung 300 s on such a port).
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result, elapsed = _timed(train_args(small_job, "zero2.json", tmp_path, "--max-steps", "2"), timeout=300,
+                                 env_extra={"MASTER_PORT": str(port)})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert elapsed < DISAGREE_WITHIN_S, f"took {elapsed:.0f} s to stop"
+    assert f"could not start the process group (MASTER_ADDR 127.0.0.1, MASTER_PORT {port})" in output
