@@ -102,6 +102,11 @@ AUTO_PRESET: dict[str, Any] = {**ADAPTIVE_PRESET, "adapt_every": 10, "probe_size
 EQUAL_STEPS_KINDS = ("random", "recommended")
 # Issue 33's bound on the adaptive schedule's cost: the loader's share of the training loop (--choose-overhead).
 OVERHEAD_LIMIT = 0.01
+# Each choosing flag (--choose, --choose-adaptive, ...) and its list in bench/candidates.json (None: the
+# instrument's own list); the results are named quality_<flag>. The *_overhead lists are judged by OVERHEAD_LIMIT.
+CHOICE_LISTS: dict[str, Optional[str]] = {"choose_adaptive": "adaptive", "choose_auto": "auto",
+                                          "choose_overhead": "adaptive_overhead",
+                                          "choose_auto_overhead": "auto_overhead", "choose": None}
 
 
 @dataclass(frozen=True)
@@ -675,11 +680,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = None) -> Settings:
     # Each mode has its own name, so a smoke or choosing run never reuses or overwrites the default's arms.
+    choosing = next((flag for flag in CHOICE_LISTS if getattr(args, flag)), None)
     name = args.name if args.name != "quality" else (
-        "quality_choose_adaptive" if args.choose_adaptive else "quality_choose_auto" if args.choose_auto
-        else "quality_choose_overhead" if args.choose_overhead
-        else "quality_choose_auto_overhead" if args.choose_auto_overhead
-        else "quality_choose" if args.choose
+        f"quality_{choosing}" if choosing
         else "quality_quick" if args.quick else "quality_gate" if args.gate_only else "quality")
     given = argv if argv is not None else sys.argv[1:]
     # A rebuilt report names the run that measured it (the flag only re-reads its arms).
@@ -738,18 +741,16 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     if args.test_epochs is not None:
         settings = replace(settings, epochs=args.test_epochs, fractions=(0.3,), ablations=False,
                            arms=("random", "paper"), copy_probe_records=8, features_cache=None)
-    overhead_choice = args.choose_overhead or args.choose_auto_overhead
-    if args.choose or args.choose_adaptive or args.choose_auto or overhead_choice:
+    if choosing:
         declared = json.loads((REPO / "bench" / "candidates.json").read_text())[
-            "adaptive" if args.choose_adaptive else "auto" if args.choose_auto
-            else "adaptive_overhead" if args.choose_overhead
-            else "auto_overhead" if args.choose_auto_overhead else settings.instrument]
+            CHOICE_LISTS[choosing] or settings.instrument]
         candidates = {name: block for name, block in declared.items() if not name.startswith("_")}  # "_rule"
         if settings.instrument == "synthetic":
             # Declared and measured when proxy was the default feature kind; they keep it, so they reproduce.
             candidates = {name: {"feature_kind": "proxy", **block} for name, block in candidates.items()}
         settings = replace(settings, candidates=candidates, fractions=(settings.headline_fraction,),
-                           ablations=False, overhead_limit=OVERHEAD_LIMIT if overhead_choice else None)
+                           ablations=False,
+                           overhead_limit=OVERHEAD_LIMIT if choosing.endswith("_overhead") else None)
     return with_feature_models(settings)
 
 

@@ -261,6 +261,26 @@ def paired_difference(per_seed: dict, other: dict, split: str) -> dict[str, dict
             for metric in ("loss_macro", "loss_worst", "em_macro", "em_worst")}
 
 
+def against_first_candidate(arms: list[dict], results: dict, candidates: dict, fraction: float,
+                            split: str) -> list[str]:
+    """Each fixed-budget candidate minus the first one declared (the base the others change one thing of),
+    paired over seeds: what a cheaper setting costs in quality."""
+    per_setting: dict[str, dict[int, dict]] = defaultdict(dict)
+    for arm in arms:
+        if arm["name"] in results:
+            per_setting[arm["setting"]][arm["seed"]] = results[arm["name"]]
+    fixed = [f"{name}_f{fraction:g}" for name, block in candidates.items() if block.get("budget_ratio") != "auto"]
+    fixed = [setting for setting in fixed if per_setting.get(setting)]
+    if len(fixed) < 2:
+        return []
+    base = fixed[0]
+    differences = {"settings": {setting: {"vs_first": paired_difference(per_setting[setting], per_setting[base], split)}
+                                for setting in fixed[1:]}}
+    return [f"## {split}: each candidate minus the first declared ({base}), paired over seeds", "",
+            _difference_table(differences, fixed[1:], "vs_first", "candidate minus the first declared (same seed)"),
+            ""]
+
+
 def _order(name: str) -> tuple:
     method_rank = {"full": 0, "full_cut": 1, "random": 2, "neardup": 3, "oracle": 4, "paper": 5, "recommended": 6,
                    "recommended_small": 7, "recommended_smollm2": 8, "adaptive": 9, "auto": 10, "random_steps": 11,
@@ -560,8 +580,10 @@ def write_report(settings: Any, data: dict, arms: list[dict], validation_only: b
         lines += [f"| {name} | {len(values)} | {np.mean(values):.2%} (max {max(values):.2%}) |"
                   for name, values in sorted(overhead.items(), key=lambda item: _order(item[0]))] + [""]
     if getattr(settings, "candidates", None) and validation_only:
-        lines += adaptive_choice_lines(summaries["validation"], settings.candidates,
-                                       getattr(settings, "headline_fraction", 0.3), overhead,
+        fraction = getattr(settings, "headline_fraction", 0.3)
+        if getattr(settings, "overhead_limit", None) is not None:
+            lines += against_first_candidate(arms, results, settings.candidates, fraction, "validation")
+        lines += adaptive_choice_lines(summaries["validation"], settings.candidates, fraction, overhead,
                                        getattr(settings, "overhead_limit", None))
     ablations = ablation_rows(arms, results, main_split, getattr(settings, "headline_fraction", 0.3))
     if ablations:

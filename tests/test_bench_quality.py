@@ -622,3 +622,23 @@ def test_the_auto_overhead_choice_takes_the_fastest_cheap_candidate_within_the_n
     assert "**level**" in lines[2]
     lines = adaptive_choice_lines(summary, candidates, 0.3, {**shares, "level": [0.02], "level_slower": [0.03]}, 0.01)
     assert "**none**" in lines[2] and "not met" in lines[2]
+
+
+def test_the_overhead_report_pairs_each_candidate_with_the_first_declared_over_the_same_seeds():
+    from bench.quality_report import against_first_candidate
+
+    def result(macro_shift: float) -> dict:
+        return {"validation": {"loss": {"a": 1.0 + macro_shift, "b": 2.0 + macro_shift}, "exact_match": {"a": 0.5}}}
+
+    candidates = {"base": {}, "cheap": {}, "auto_one": {"budget_ratio": "auto"}}
+    arms = [{"name": f"{kind}_f0.3_s{seed}", "setting": f"{kind}_f0.3", "seed": seed}
+            for kind in ("base", "cheap") for seed in (0, 1)]
+    # cheap is 0.1 and 0.3 above base on seeds 0 and 1: a paired mean of +0.2 whatever the seeds' own levels.
+    results = {"base_f0.3_s0": result(0.0), "base_f0.3_s1": result(5.0),
+               "cheap_f0.3_s0": result(0.1), "cheap_f0.3_s1": result(5.3)}
+    lines = against_first_candidate(arms, results, candidates, 0.3, "validation")
+    assert "minus the first declared (base_f0.3)" in lines[0]
+    row = next(line for line in "\n".join(lines).splitlines() if line.startswith("| cheap_f0.3 "))
+    assert row.split("|")[2].strip() == "2" and row.split("|")[3].strip().startswith("0.200")
+    # One candidate alone has nothing to be paired with.
+    assert against_first_candidate(arms[:2], results, candidates, 0.3, "validation") == []
