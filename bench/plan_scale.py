@@ -55,7 +55,7 @@ def one_case(folder: Path, num_samples: int, world: int) -> dict:
     plan = build_plan(None, config, world_size=world, micro_batch_size=4, gradient_accumulation_steps=2,
                       labels=labels, distances=distances)
     planned = time.perf_counter()
-    schedule = plan.rank_schedule(0, rank=world // 2)
+    schedule = plan.rank_layout(0, rank=world // 2)
     done = time.perf_counter()
     return {"num_samples": num_samples, "world_size": world, "plan_s": round(planned - started, 2),
             "rank_schedule_s": round(done - planned, 2), "total_s": round(done - started, 2),

@@ -89,7 +89,7 @@ def run_case(name: str) -> dict[str, Any]:
                       gradient_accumulation_steps=case["gas"], labels=inputs.get("labels"),
                       distances=inputs.get("distances"))
     planned = time.perf_counter()
-    schedule = plan.rank_schedule(0, rank=case["world"] // 2)
+    schedule = plan.rank_layout(0, rank=case["world"] // 2)
     done, done_cpu = time.perf_counter(), time.process_time()
     # Without the reset, the high-water mark may still be the input's, and the figure is a lower bound.
     peak_mb = _status_mb("VmHWM") if peak_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

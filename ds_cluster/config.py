@@ -11,7 +11,9 @@ object or plain values).
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
+from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -21,10 +23,12 @@ from ds_cluster.ds_config import BLOCK_PATH, ConfigSource, cluster_block, read_d
 from ds_cluster.features.kinds import FEATURE_KINDS
 from ds_cluster.planning.allocation import ALLOCATIONS
 from ds_cluster.planning.budget import BUDGETS
-from ds_cluster.planning.schedule import ADAPTIVE_RULES
 from ds_cluster.planning.selection import SELECTIONS
+from ds_cluster.planning.shares import ADAPTIVE_RULES
 from ds_cluster.planning.weights import WEIGHTINGS
 from ds_cluster.registry import Registry
+from ds_cluster.settings import (ClusteringSettings, FeatureSettings, LossSettings, ScheduleSettings,
+                                 SelectionSettings, StageSettings)
 
 # What the reference implementation does (docs/design.md, "The paper preset").
 PAPER_PRESET: dict[str, Any] = {
@@ -61,11 +65,8 @@ RULE_REGISTRIES: dict[str, Registry] = {"feature_kind": FEATURE_KINDS, "budget_m
                                         "weighting": WEIGHTINGS, "allocation": ALLOCATIONS, "backend": BACKENDS,
                                         "adaptive_rule": ADAPTIVE_RULES}
 RULE_KEYS = tuple(RULE_REGISTRIES)
-# Keys added after plans were first fingerprinted: in a plan's settings (and so its fingerprint) only when set away
-# from their defaults, so a plan built without them keeps its fingerprint and its checkpoints resume.
-KEYS_RECORDED_WHEN_SET = ("weight_temperature", "dedup_similarity", "schedule", "adaptive_rule", "adapt_every",
-                          "adaptive_pool", "probe_size", "exploration", "auto_tolerance", "auto_patience",
-                          "auto_cooldown", "auto_maintenance")
+# The keys no stage reads: the switch, the preset (already applied) and where files are.
+NOT_STAGE_KEYS = ("enabled", "preset", "analysis_path", "schedule_log")
 
 
 class ClusterSamplingConfig(BaseModel):
@@ -154,22 +155,35 @@ class ClusterSamplingConfig(BaseModel):
                              "'stratified' (or schedule 'static')")
         return self
 
+    def stages(self) -> StageSettings:
+        """Every stage's settings, derived from this block: the one way a key reaches the code (ds_cluster.settings)."""
+        values = self.model_dump()
+
+        def derive(stage: type, **extra: Any) -> Any:
+            return stage(**{item.name: values[item.metadata["key"]] for item in dataclasses.fields(stage)
+                            if "key" in item.metadata}, **extra)
+
+        default_log = (str(Path(self.analysis_path).absolute().parent / "schedule.jsonl")
+                       if self.analysis_path else None)
+        return StageSettings(features=derive(FeatureSettings), clustering=derive(ClusteringSettings),
+                             selection=derive(SelectionSettings),
+                             schedule=derive(ScheduleSettings, auto=self.budget_ratio == "auto",
+                                             log_path=self.schedule_log or default_log),
+                             loss=derive(LossSettings))
+
+    # The stages' own readings, kept on the block for code written against 0.5.0.
     @property
     def planned_ratio(self) -> float:
-        """The budget ratio the plan is built with: everything for 'auto' (the schedule decides what is used)."""
-        return 1.0 if self.budget_ratio == "auto" else float(self.budget_ratio)
+        """`SelectionSettings.planned_ratio` of this block."""
+        return self.stages().selection.planned_ratio
 
     def resolved_num_clusters(self, world_size: int) -> int:
-        """K: the configured number, or the data-parallel world size for "auto"."""
-        return world_size if self.num_clusters == "auto" else int(self.num_clusters)
+        """`ClusteringSettings.resolved_num_clusters` of this block."""
+        return self.stages().clustering.resolved_num_clusters(world_size)
 
     def plan_settings(self) -> dict[str, Any]:
-        """The keys a plan records and fingerprints: all but the switch, the preset and where files are."""
-        settings = self.model_dump(exclude={"enabled", "analysis_path", "preset", "schedule_log"})
-        for key in KEYS_RECORDED_WHEN_SET:
-            if settings[key] == type(self).model_fields[key].default:
-                del settings[key]
-        return settings
+        """`StageSettings.plan_record` of this block: what a plan records and fingerprints."""
+        return self.stages().plan_record()
 
     # ------------------------------------------------------------------ parsing
     @classmethod

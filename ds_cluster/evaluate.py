@@ -4,8 +4,9 @@
 
 The primary number is each record's answer loss: the mean negative log-likelihood of its reference
 answer's tokens given the prompt (the closing end token left out: it says where an answer stops, not
-what it says), averaged per group (a record's ``family``), then summarised as the macro mean over
-groups and the worst group. A subset that starves a small group shows up in the worst group first.
+what it says), averaged per task group (a record's ``category``, else its ``family``), then summarised
+as the macro mean over groups and the worst group. A subset that starves a small group shows up in the
+worst group first.
 
 Exact match of greedy answers is computed only for groups whose answers are short labels (few
 distinct answers, such as "positive" / "negative" or a topic name): for free text (summaries,
@@ -32,7 +33,8 @@ from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
-from ds_cluster.data.dataset import IGNORE_INDEX, InstructionDataset, encode_example, encode_prompt, read_records
+from ds_cluster.data.dataset import (IGNORE_INDEX, InstructionDataset, encode_example, encode_prompt, read_records,
+                                     task_group)
 from ds_cluster.fileio import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -58,11 +60,8 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 
 def record_group(record: Mapping[str, Any]) -> str:
-    """A record's task group: its ``family``, else its ``category``, else ''."""
-    for field in ("family", "category"):
-        if record.get(field) is not None:
-            return str(record[field])
-    return ""
+    """A record's task group (`ds_cluster.data.dataset.task_group`: its ``category``, else its ``family``)."""
+    return task_group(record)
 
 
 def mean_by_group(values: Sequence[float], groups: Sequence[str]) -> dict[str, float]:

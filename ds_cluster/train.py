@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -30,11 +29,11 @@ import torch
 import ds_cluster
 from ds_cluster import distributed
 from ds_cluster.data.dataset import DEFAULT_MAX_LENGTH, load_instruction_dataset, trim_padding_collate
-from ds_cluster.ds_config import BLOCK_PATH, cluster_block, read_ds_config
-from ds_cluster.fileio import write_json_atomic
-from ds_cluster.loader.loss import weighted_causal_lm_loss
 from ds_cluster.data.models import load_model_and_tokenizer
-from ds_cluster.loader.lr_schedules import run_schedule
+from ds_cluster.ds_config import BLOCK_PATH, read_ds_config
+from ds_cluster.fileio import write_json_atomic
+from ds_cluster.integrations.loop import LoopHooks, LoopResult, train_loop
+from ds_cluster.loader.lr_schedules import run_lr_schedule
 
 logger = logging.getLogger("ds_cluster.train")
 
@@ -58,9 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "auto_cooldown > 0, constant after the warm-up, then linear to 0 over the cool-down the "
                              "adaptive schedule announces (docs/adaptive.md)")
     parser.add_argument("--warmup-fraction", type=float, default=0.05)
-    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N optimizer steps (0: at the end)")
-    parser.add_argument("--test-stop-after", type=int, default=0,
-                        help="for tests of resume: exit after this many optimizer steps and their checkpoint")
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="checkpoint every N optimizer steps (0: no checkpoints)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
     parser.add_argument("--bf16", action="store_true", help="turn on bf16 in the DeepSpeed config")
     parser.add_argument("--trace", action="store_true", help="write every micro-step's indices and loss per rank")
@@ -135,55 +133,54 @@ def output_dir_problem(output: Path) -> Optional[str]:
     return None
 
 
-def train_loop(args: argparse.Namespace, engine: Any, loader: Any, output: Path, rank: int
-               ) -> tuple[list[float], float, float]:
-    """The plain DeepSpeed loop with the weighted loss: (per-micro-step losses, wall s, this rank's CPU s)."""
+def loop_hooks(args: argparse.Namespace, engine: Any, loader: Any, output: Path, rank: int) -> tuple[LoopHooks, Any]:
+    """The script's additions to the library's loop: checkpoints every --save-every steps, and
+    with --trace every micro-step's indices and loss (one JSONL file per rank). Returns the hooks and the trace file
+    to close (None without --trace)."""
     checkpoints = output / "checkpoints"
     trace = None
     if args.trace:
         (output / "trace").mkdir(parents=True, exist_ok=True)
         trace = open(output / "trace" / f"rank{rank}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
-    losses: list[float] = []
-    micro_per_step = engine.gradient_accumulation_steps()
-    start = time.perf_counter()
-    cpu_start = time.process_time()  # this rank's CPU (all its threads): the machine may be shared
-    done = False
-    while not done and loader.completed_epochs < args.epochs:
-        for batch in loader:
-            record = {"epoch": loader.epoch, "micro": loader.position - 1}
-            inputs = {k: v.to(engine.device) for k, v in batch.items()}
-            outputs = engine(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
-            loss = weighted_causal_lm_loss(outputs, inputs)
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach().float()))
-            if trace is not None:
-                record.update(step=engine.global_steps, indices=batch["sample_index"].tolist(), loss=losses[-1])
-                trace.write(json.dumps(record) + "\n")
-                trace.flush()
-            if loader.position % micro_per_step:
-                continue  # inside a gradient-accumulation window
-            step = engine.global_steps
-            stopping_for_test = bool(args.test_stop_after) and step >= args.test_stop_after
-            if (args.save_every and step % args.save_every == 0) or stopping_for_test:
-                engine.save_checkpoint(str(checkpoints))
-            if stopping_for_test or (args.max_steps and step >= args.max_steps):
-                done = True
-                break
-    if trace is not None:
-        trace.close()
-    return losses, time.perf_counter() - start, time.process_time() - cpu_start
+
+    def traced(batch: Any, loss: float) -> None:
+        assert trace is not None
+        record = {"epoch": loader.epoch, "micro": loader.position - 1, "step": engine.global_steps,
+                  "indices": batch["sample_index"].tolist(), "loss": loss}
+        trace.write(json.dumps(record) + "\n")
+        trace.flush()
+
+    def checkpoint(step: int) -> None:
+        if args.save_every and step % args.save_every == 0:
+            engine.save_checkpoint(str(checkpoints))
+
+    return LoopHooks(after_micro_step=traced if trace is not None else None, after_step=checkpoint), trace
 
 
-def lr_scheduler(args: argparse.Namespace, config: dict[str, Any], run_steps: dict[str, int],
-                 made: dict[str, Any]) -> Optional[Callable[[Any], Any]]:
+def lr_scheduler(args: argparse.Namespace, run_steps: dict[str, int], made: dict[str, Any]
+                 ) -> Optional[Callable[[Any], Any]]:
     """What deepspeed.initialize builds the LR scheduler with (None: constant). The run's length (`run_steps`)
     and the loader (`made`) are read when the factor is, since both exist only after deepspeed.initialize."""
     if args.lr_schedule != "cosine":
         return None
-    factor = run_schedule(cluster_block(config), lambda: run_steps["total"], args.warmup_fraction,
-                          lambda: made.get("loader"))
+    factor = run_lr_schedule(lambda: run_steps["total"], args.warmup_fraction, lambda: made.get("loader"))
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def write_summary(result: LoopResult, engine: Any, loader: Any, output: Path, rank: int) -> None:
+    """This rank's summary_rank<R>.json (steps, time, first and last losses, a digest of the parameters: collective
+    under ZeRO-3), and rank 0's closing log line."""
+    losses = result.losses
+    summary = {"rank": rank, "steps": engine.global_steps, "micro_steps": len(losses), "train_seconds": result.wall,
+               "train_cpu_seconds": result.cpu, "analysis_timings": getattr(loader, "analysis_timings", {}),
+               "first_losses": losses[:4], "last_losses": losses[-4:], "parameter_digest": parameter_digest(engine),
+               "learning_rate": engine.get_lr()[0] if engine.get_lr() else None}
+    write_json_atomic(output / f"summary_rank{rank}.json", summary)
+    if rank == 0:
+        plan_summary = loader.plan.summary() if hasattr(loader, "plan") else {}
+        logger.info("done: %d steps in %.1f s, final loss %.4f, kept %s of %s samples", engine.global_steps,
+                    result.wall, losses[-1] if losses else float("nan"), plan_summary.get("num_kept"),
+                    plan_summary.get("num_samples"))
 
 
 def main(argv=None) -> int:
@@ -207,7 +204,7 @@ def main(argv=None) -> int:
     ds_cluster.install()  # the one line: deepspeed.initialize now returns the cluster-balanced loader
     run_steps = {"total": 0}
     made: dict[str, Any] = {}  # the loader, once deepspeed.initialize has built it
-    scheduler = lr_scheduler(args, config, run_steps, made)
+    scheduler = lr_scheduler(args, run_steps, made)
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                 training_data=dataset, config=config, lr_scheduler=scheduler,
                                                 collate_fn=trim_padding_collate)
@@ -225,20 +222,15 @@ def main(argv=None) -> int:
         engine.load_checkpoint(str(checkpoints))
         logger.info("resumed at step %d", engine.global_steps)
 
-    losses, elapsed, cpu_elapsed = train_loop(args, engine, loader, output, rank)
-    digest = parameter_digest(engine)
+    hooks, trace = loop_hooks(args, engine, loader, output, rank)
+    try:
+        result = train_loop(engine, loader, epochs=args.epochs, max_steps=args.max_steps, hooks=hooks)
+    finally:
+        if trace is not None:
+            trace.close()
     if args.save_model:
         save_hf_model(engine, tokenizer, Path(args.save_model), rank)
-    summary = {"rank": rank, "steps": engine.global_steps, "micro_steps": len(losses), "train_seconds": elapsed,
-               "train_cpu_seconds": cpu_elapsed, "analysis_timings": getattr(loader, "analysis_timings", {}),
-               "first_losses": losses[:4], "last_losses": losses[-4:], "parameter_digest": digest,
-               "learning_rate": engine.get_lr()[0] if engine.get_lr() else None}
-    write_json_atomic(output / f"summary_rank{rank}.json", summary)
-    if rank == 0:
-        plan_summary = loader.plan.summary() if hasattr(loader, "plan") else {}
-        logger.info("done: %d steps in %.1f s, final loss %.4f, kept %s of %s samples", engine.global_steps,
-                    elapsed, losses[-1] if losses else float("nan"), plan_summary.get("num_kept"),
-                    plan_summary.get("num_samples"))
+    write_summary(result, engine, loader, output, rank)
     del engine, loader
     gc.collect()
     distributed.shutdown()

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from ds_cluster import ClusterSamplingConfig, build_plan
 from ds_cluster.collectives import LOCAL
-from ds_cluster.loader.adaptive import AdaptiveDataLoader, AdaptiveSettings, _draw
+from ds_cluster.loader.adaptive import AdaptiveSchedule, _draw
 from ds_cluster.loader.sampler import ClusterDataLoader
-from ds_cluster.planning.schedule import (ADAPTIVE_RULES, FIXED_POINT, WindowFigures, auto_stop, to_fixed_point,
-                                          window_draws)
+from ds_cluster.planning.shares import ADAPTIVE_RULES, WindowFigures, auto_stop, window_draws
+from ds_cluster.planning.tally import FIXED_POINT, to_fixed_point
 
 SIZES = (60, 30, 10)  # three clusters of unequal size
 LABELS = np.repeat(np.arange(3), SIZES)
@@ -28,16 +28,18 @@ def _dataset() -> list[dict]:
              "labels": torch.full((6,), i % 50)} for i in range(len(LABELS))]
 
 
-def _loader(tmp_path: Path, **keys) -> AdaptiveDataLoader:
+def _loader(tmp_path: Path, **keys) -> ClusterDataLoader:
     block = {"enabled": True, "schedule": "adaptive", "num_clusters": 3, "budget_mode": "proportional",
              "budget_ratio": 0.5, "selection": "random", "adapt_every": 2, "probe_size": 0,
              "loss_reduction": "sample", "analysis_path": str(tmp_path / "analysis"), **keys}
     config = ClusterSamplingConfig.from_dict(block)
     plan = build_plan(None, config, world_size=1, micro_batch_size=4, gradient_accumulation_steps=2, labels=LABELS)
-    return AdaptiveDataLoader(_dataset(), plan, 0, AdaptiveSettings.from_config(config), collectives=LOCAL)
+    stages = config.stages()
+    schedule = AdaptiveSchedule(plan, 0, stages.schedule, collectives=LOCAL)
+    return ClusterDataLoader(_dataset(), plan, 0, schedule=schedule, loss=stages.loss, collectives=LOCAL)
 
 
-def _train(loader: AdaptiveDataLoader, micro_batches: int, loss_of_cluster=(2.0, 1.0, 0.5)) -> list[list[int]]:
+def _train(loader: ClusterDataLoader, micro_batches: int, loss_of_cluster=(2.0, 1.0, 0.5)) -> list[list[int]]:
     """Take micro-batches as a training loop does, handing back losses that depend on the cluster only."""
     seen = []
     while len(seen) < micro_batches and loader.completed_epochs < 50:
@@ -96,6 +98,22 @@ def test_resume_mid_window_gives_the_same_indices_and_shares(tmp_path):
     resumed = _loader(tmp_path / "b")
     resumed.load_state_dict(state)
     assert done + _train(resumed, 13) == expected
+    log = [json.loads(line) for line in (tmp_path / "b" / "schedule.jsonl").read_text().splitlines()]
+    assert log == [json.loads(line) for line in (tmp_path / "a" / "schedule.jsonl").read_text().splitlines()]
+
+
+def test_resume_from_a_state_saved_on_a_windows_last_step_closes_that_window_first(tmp_path):
+    """A checkpoint every adapt_every steps is saved when a window has just ended and the next is not drawn yet;
+    the resumed run must close the saved window (its figures, the rule) before drawing the next (0.5.0 redrew the
+    closed window instead)."""
+    whole = _loader(tmp_path / "a")
+    expected = _train(whole, 20)
+    first = _loader(tmp_path / "b")
+    done = _train(first, 8)  # exactly two windows of 2 steps x 2 micro-batches
+    state = json.loads(json.dumps(first.state_dict(global_step=4)))
+    resumed = _loader(tmp_path / "b")
+    resumed.load_state_dict(state)
+    assert done + _train(resumed, 12) == expected
     log = [json.loads(line) for line in (tmp_path / "b" / "schedule.jsonl").read_text().splitlines()]
     assert log == [json.loads(line) for line in (tmp_path / "a" / "schedule.jsonl").read_text().splitlines()]
 
@@ -160,9 +178,9 @@ def test_auto_maintenance_keeps_a_stopped_cluster_at_its_share_of_the_natural(tm
 
 def test_probe_set_is_held_out_of_training(tmp_path):
     loader = _loader(tmp_path, probe_size=3)
-    assert loader.probe.size == 9
+    assert loader.schedule.probe.size == 9
     drawn = {i for batch in _train(loader, 40) for i in batch}
-    assert not drawn & set(loader.probe.tolist())
+    assert not drawn & set(loader.schedule.probe.tolist())
 
 
 def test_the_config_refuses_auto_without_the_adaptive_schedule():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ds_cluster.planning.plan import Plan
-from ds_cluster.planning.schedule import window_draws
+from ds_cluster.planning.shares import window_draws
 from tests.launching import REPO, check, run_deepspeed, run_mpirun
 from tests.test_bad_inputs import assert_failed_on_every_rank
 from tests.training import TRAIN, read_trace, train_args

@@ -173,7 +173,7 @@ def test_samples_without_response_tokens_get_weight_zero_and_are_never_scheduled
     assert inputs.exclude is not None and np.flatnonzero(inputs.exclude).tolist() == [2, 9, 31]
     plan = _plan(inputs.features, enabled(num_clusters=4, budget_mode="proportional"), exclude=inputs.exclude)
     assert (plan.weights[[2, 9, 31]] == 0).all() and (plan.labels[[2, 9, 31]] == -1).all()
-    assert not np.isin([2, 9, 31], plan.schedule(0)).any() and not np.isin([2, 9, 31], plan.selected).any()
+    assert not np.isin([2, 9, 31], plan.epoch_layout(0)).any() and not np.isin([2, 9, 31], plan.selected).any()
 
 
 # ------------------------------------------------------------------------------------------ analysis loader

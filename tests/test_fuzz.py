@@ -112,7 +112,7 @@ def check_plan_properties(plan: Plan, inputs: dict[str, Any], config: ClusterSam
     else:
         assert (plan.weights[selected] == 1).all()
     # Schedule: (steps, world, gas, micro), only kept samples, none twice in an epoch.
-    schedule = plan.schedule(0)
+    schedule = plan.epoch_layout(0)
     assert schedule.shape == (plan.steps_per_epoch, inputs["world_size"], inputs["gradient_accumulation_steps"],
                               inputs["micro_batch_size"])
     flat = schedule.reshape(-1)

@@ -127,7 +127,7 @@ def test_one_process_loader_follows_the_plan_and_refuses_a_checkpoint_of_another
     dataset = load_instruction_dataset(small_job / "train.jsonl", tokenizer, max_length=64)
     trainer = ClusterTrainer(model=model, args=args, train_dataset=dataset, cluster_config=block)
     loader = trainer.get_train_dataloader()
-    schedule = trainer.plan.schedule(0)
+    schedule = trainer.plan.epoch_layout(0)
     assert trainer.plan.world_size == 1 and len(loader) == trainer.plan.steps_per_epoch * 2
     assert [batch["sample_index"].tolist() for batch in loader] == schedule.reshape(-1, 4).tolist()
     assert next(iter(loader))["sample_weight"].tolist() == trainer.plan.weights[schedule[0, 0, 0]].astype(

@@ -10,20 +10,21 @@ import pytest
 
 from ds_cluster.loader.figures import ClusterFigures, figure_events, figure_logs
 from ds_cluster.planning.plan import Plan
+from ds_cluster.planning.tally import ClusterTally
 from tests.test_adaptive_jobs import STEPS
 from tests.training import read_trace
 
 
 def test_figures_count_per_cluster_over_ranks_and_reset_the_loss_each_report():
     labels = np.array([0, 1, 1, 2, 0])
-    ranks = [ClusterFigures(labels, 3), ClusterFigures(labels, 3)]
-    ranks[0].add(np.array([0, 1]), np.array([1.0, 2.0]))
-    ranks[1].add(np.array([2, 4]), np.array([4.0, 3.0]))
+    ranks = [ClusterFigures(ClusterTally(labels, 3)), ClusterFigures(ClusterTally(labels, 3))]
+    ranks[0].tally.add(np.array([0, 1]), np.array([1.0, 2.0]))
+    ranks[1].tally.add(np.array([2, 4]), np.array([4.0, 3.0]))
     # What the all-reduce gives: both ranks' arrays summed, each rank calling with its own.
-    local = [np.concatenate([f._loss_sums, f._counts]) for f in ranks]
+    local = [f.tally.totals.copy() for f in ranks]
     reports = [figures.report(lambda _: local[0] + local[1]) for figures in ranks]
     assert reports[0] == reports[1] == {"train_loss": [2.0, 3.0, None], "samples": [2, 2, 0]}
-    ranks[0].add(np.array([3]), np.array([5.0]))
+    ranks[0].tally.add(np.array([3]), np.array([5.0]))
     assert ranks[0].report(lambda values: values) == {"train_loss": [None, None, 5.0], "samples": [2, 2, 1]}
 
 

@@ -89,14 +89,15 @@ def test_mpirun_hostfile_zero3_trains_on_the_plan(mpirun_run):
 
 @pytest.fixture(scope="module")
 def resumed_run(two_hosts, small_job, mpirun_run, tmp_path_factory):
-    """The same fine-tune stopped after a checkpoint (launch/run_mpi.sh --test-stop-after), then relaunched with
-    --resume through launch/run_deepspeed.sh: the checkpoint, not the launcher, carries the sequence.
+    """The same fine-tune stopped after a checkpoint (launch/run_mpi.sh --max-steps N/2 --save-every N/2), then
+    relaunched with --resume through launch/run_deepspeed.sh: the checkpoint, not the launcher, carries the sequence.
 
     The relaunch is also this module's deepspeed-launcher run (one two-host job less on a 2-core machine)."""
     out = tmp_path_factory.mktemp("resumed_two_hosts")
     steps = ("--max-steps", str(STEPS))
     stopped, _ = launch_on_h0(two_hosts, "mpirun",
-                              train_args(small_job, "zero3.json", out, *steps, "--test-stop-after", str(STEPS // 2)))
+                              train_args(small_job, "zero3.json", out, "--max-steps", str(STEPS // 2), "--save-every",
+                                         str(STEPS // 2)))
     check(stopped)
     resumed, _ = launch_on_h0(two_hosts, "deepspeed", train_args(small_job, "zero3.json", out, *steps, "--resume"))
     return out, resumed

@@ -176,7 +176,7 @@ def test_paper_weight_per_rank_is_k_n_r_over_n():
     features, _ = blobs([90, 50, 30])
     cfg = ClusterSamplingConfig.from_dict({"enabled": True, "preset": "paper", "kmeans_n_init": 2, "capacity_factor": None})
     plan = build_plan(features, cfg, world_size=3, micro_batch_size=2, gradient_accumulation_steps=2)
-    schedule = plan.schedule(0)
+    schedule = plan.epoch_layout(0)
     for rank in range(3):
         indices = schedule[:, rank].ravel()
         assert (plan.labels[indices] == rank).all()
@@ -198,7 +198,7 @@ def test_schedule_by_hand_stratified():
     labels = np.array([0, 0, 0, 1, 0, 0, 0, 1])
     plan = build_plan(None, config(selection="random", budget_mode="proportional"), world_size=1, micro_batch_size=2,
                       gradient_accumulation_steps=2, labels=labels)
-    schedule = plan.schedule(0)
+    schedule = plan.epoch_layout(0)
     assert schedule.shape == (2, 1, 2, 2)
     for step in schedule:
         assert sorted(labels[step.ravel()].tolist()) == [0, 0, 0, 1]
@@ -209,7 +209,7 @@ def test_cluster_per_rank_rank_sees_only_its_cluster_and_epochs_differ_in_order(
     features, _ = blobs([40, 40])
     cfg = ClusterSamplingConfig.from_dict({"enabled": True, "preset": "paper", "kmeans_n_init": 2, "seed": 3})
     plan = build_plan(features, cfg, world_size=2, micro_batch_size=4, gradient_accumulation_steps=1)
-    first, second = plan.schedule(0), plan.schedule(1)
+    first, second = plan.epoch_layout(0), plan.epoch_layout(1)
     for rank in range(2):
         assert (plan.labels[first[:, rank].ravel()] == rank).all()
     assert sorted(first.ravel().tolist()) == sorted(second.ravel().tolist())
@@ -221,7 +221,7 @@ def test_stratified_epochs_same_content_when_batches_divide():
     plan = build_plan(None, config(selection="random", budget_mode="proportional"), world_size=2, micro_batch_size=2,
                       gradient_accumulation_steps=2, labels=labels)
     assert plan.num_kept % plan.global_batch_size == 0
-    first, second = plan.schedule(0), plan.schedule(1)
+    first, second = plan.epoch_layout(0), plan.epoch_layout(1)
     assert sorted(first.ravel().tolist()) == sorted(second.ravel().tolist())
     assert not np.array_equal(first, second)
 
@@ -230,7 +230,7 @@ def test_stratified_tail_differs_between_epochs():
     labels = np.repeat(np.arange(3), [50, 23, 10])  # 83 kept, B = 8: 10 steps, 3 dropped
     plan = build_plan(None, config(selection="random", budget_mode="proportional"), world_size=2, micro_batch_size=2,
                       gradient_accumulation_steps=2, labels=labels)
-    used = [set(plan.schedule(epoch).ravel().tolist()) for epoch in range(4)]
+    used = [set(plan.epoch_layout(epoch).ravel().tolist()) for epoch in range(4)]
     assert all(len(u) == 80 for u in used)
     assert len({frozenset(u) for u in used}) > 1
 
@@ -276,7 +276,7 @@ def test_plan_properties(inputs):
         share = kept_w[plan.labels[plan.selected] == cluster].sum() / kept_w.sum()
         assert abs(share - plan.cluster_sizes[cluster] / n) < 1e-9
 
-    schedule = plan.schedule(seed % 5)
+    schedule = plan.epoch_layout(seed % 5)
     batch = world * micro * gas
     assert schedule.shape == (plan.num_kept // batch, world, gas, micro)
     flat = schedule.ravel()
@@ -310,7 +310,7 @@ rng = np.random.default_rng(11)
 features = np.concatenate([rng.normal(i * 5, 1, (n, 6)) for i, n in enumerate([200, 90, 40, 25])]).astype(np.float32)
 cfg = ClusterSamplingConfig(enabled=True, num_clusters=4, budget_ratio=0.7, seed=int(sys.argv[1]))
 plan = build_plan(features, cfg, world_size=2, micro_batch_size=3, gradient_accumulation_steps=2)
-print(json.dumps({"fingerprint": plan.fingerprint(), "schedule": plan.schedule(1).ravel().tolist()}))
+print(json.dumps({"fingerprint": plan.fingerprint(), "schedule": plan.epoch_layout(1).ravel().tolist()}))
 """
 
 
@@ -332,7 +332,7 @@ def test_save_and_load_round_trip(tmp_path):
     plan.save(tmp_path / "plan")
     loaded = Plan.load(tmp_path / "plan")
     assert loaded.fingerprint() == plan.fingerprint()
-    assert np.array_equal(loaded.schedule(3), plan.schedule(3))
+    assert np.array_equal(loaded.epoch_layout(3), plan.epoch_layout(3))
     np.save(tmp_path / "plan" / "weights.npy", plan.weights * 2)
     with pytest.raises(ValueError, match="fingerprint"):
         Plan.load(tmp_path / "plan")
@@ -436,7 +436,7 @@ def test_left_out_samples_get_no_weight_and_no_slot():
                       micro_batch_size=1, gradient_accumulation_steps=1, labels=labels, exclude=exclude)
     assert plan.labels[2] == -1 and plan.labels[5] == -1
     assert plan.weights[2] == 0 and plan.weights[5] == 0
-    assert 2 not in plan.schedule(0) and 5 not in plan.schedule(0)
+    assert 2 not in plan.epoch_layout(0) and 5 not in plan.epoch_layout(0)
     assert plan.cluster_sizes.tolist() == [3, 3] and plan.summary()["num_excluded"] == 2
 
 
@@ -446,7 +446,7 @@ def test_left_out_samples_get_no_weight_and_no_slot():
 @settings(max_examples=150, deadline=None)
 def test_each_rank_builds_exactly_its_part_of_the_schedule(world, micro, accumulation, clusters, ratio, seed, epoch,
                                                           per_rank):
-    """rank_schedule(e, r) (built alone, O(N / W)) is the whole schedule's slice for rank r."""
+    """rank_layout(e, r) (built alone, O(N / W)) is the whole schedule's slice for rank r."""
     num_clusters = world if per_rank else clusters
     labels = np.random.default_rng(seed).integers(0, num_clusters, 400)
     labels[:num_clusters] = np.arange(num_clusters)  # no cluster empty
@@ -459,9 +459,9 @@ def test_each_rank_builds_exactly_its_part_of_the_schedule(world, micro, accumul
                           labels=labels)
     except ValueError:
         return  # too little data for one step: refused (tested elsewhere)
-    whole = plan.schedule(epoch)
+    whole = plan.epoch_layout(epoch)
     for rank in range(world):
-        assert np.array_equal(plan.rank_schedule(epoch, rank), whole[:, rank])
+        assert np.array_equal(plan.rank_layout(epoch, rank), whole[:, rank])
 
 
 def test_neyman_that_keeps_everything_needs_no_spreads():

@@ -63,7 +63,7 @@ def plan(blobs) -> Plan:
 
 def test_counts_per_rank_step_are_the_schedule_counted(plan: Plan):
     counts = cluster_counts_per_rank_step(plan, epoch=0)
-    schedule = plan.schedule(0)
+    schedule = plan.epoch_layout(0)
     assert counts.shape == (plan.steps_per_epoch, plan.world_size, plan.num_clusters)
     assert (counts.sum(axis=2) == plan.micro_batch_size * plan.gradient_accumulation_steps).all()
     for step in (0, plan.steps_per_epoch - 1):

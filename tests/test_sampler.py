@@ -27,7 +27,7 @@ def test_loader_gives_this_ranks_plan_indices_with_weights():
     loader = ClusterDataLoader(dict_dataset(), plan, rank=1)
     batches = list(loader)
     assert len(batches) == len(loader) == plan.steps_per_epoch * plan.gradient_accumulation_steps
-    expected = plan.schedule(0)[:, 1].reshape(-1, plan.micro_batch_size)
+    expected = plan.epoch_layout(0)[:, 1].reshape(-1, plan.micro_batch_size)
     for batch, indices in zip(batches, expected):
         assert batch["sample_index"].dtype == torch.int64 and batch["sample_weight"].dtype == torch.float32
         assert batch["sample_index"].tolist() == indices.tolist()
@@ -35,7 +35,7 @@ def test_loader_gives_this_ranks_plan_indices_with_weights():
         assert np.allclose(batch["sample_weight"].numpy(), plan.weights[indices])
     assert loader.completed_epochs == 1
     second = [b["sample_index"].tolist() for b in loader]
-    assert second == plan.schedule(1)[:, 1].reshape(-1, plan.micro_batch_size).tolist()
+    assert second == plan.epoch_layout(1)[:, 1].reshape(-1, plan.micro_batch_size).tolist()
 
 
 def test_tuple_items_get_index_and_weight_appended():
@@ -43,7 +43,7 @@ def test_tuple_items_get_index_and_weight_appended():
     data = [(torch.tensor([float(i)]), torch.tensor(i % 2)) for i in range(48)]
     features, targets, index, weight = next(iter(ClusterDataLoader(data, plan, rank=0)))
     assert features.shape == (2, 1) and targets.shape == (2,)
-    assert index.tolist() == plan.schedule(0)[0, 0, 0].tolist()
+    assert index.tolist() == plan.epoch_layout(0)[0, 0, 0].tolist()
     assert weight.dtype == torch.float32
 
 

@@ -1,9 +1,11 @@
 """The warm-up + cosine learning-rate factor whose length is read when training starts."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
-from ds_cluster.loader.lr_schedules import run_schedule, warmup_cosine, warmup_stable_decay
+from ds_cluster.loader.lr_schedules import run_lr_schedule, warmup_cosine, warmup_stable_decay
 
 
 def test_warmup_then_cosine_to_zero_at_the_last_step():
@@ -35,19 +37,42 @@ def test_warmup_stable_decay_holds_until_the_run_announces_its_end_then_decays_t
     assert factor(80) == 1.0 and factor(90) == pytest.approx(0.5) and factor(100) == 0.0
 
 
-def test_a_runs_schedule_is_cosine_unless_an_auto_budget_cools_down_defaults_included():
+def test_a_runs_lr_schedule_is_cosine_unless_its_loader_may_end_the_run_with_a_cool_down():
     class Loader:
+        def __init__(self, cooldown_fraction):
+            self.cooldown_fraction = cooldown_fraction
+
         def cooldown_steps(self):
             return (40, 60)
 
     cosine = warmup_cosine(lambda: 100, 0.05)
-    for block in ({"schedule": "adaptive", "budget_ratio": 0.3}, {}, None,
+    for loader in (Loader(None), None):  # a static or fixed-budget schedule; no loader yet
+        factor = run_lr_schedule(lambda: 100, 0.05, lambda: loader)
+        assert [factor(step) for step in (0, 3, 50, 90)] == [cosine(step) for step in (0, 3, 50, 90)]
+    made = {"loader": Loader(0.2)}  # an auto budget with auto_cooldown 0.2 (its default)
+    factor = run_lr_schedule(lambda: 100, 0.05, lambda: made["loader"])
+    assert factor(0) == cosine(0)  # the warm-up's first step, the same for both
+    assert factor(50) == pytest.approx(0.5) and factor(60) == 0.0  # linear to 0 over the announced cool-down
+    made["loader"].cooldown_steps = lambda: None  # not announced: constant, then the cap's last 1/6
+    assert factor(50) == 1.0 and factor(90) == pytest.approx(((100 - 90) / round(100 / 6)))
+
+
+def test_the_loaders_schedule_says_whether_the_run_may_end_with_a_cool_down(tmp_path):
+    from ds_cluster import ClusterSamplingConfig, build_plan
+    from ds_cluster.loader.adaptive import AdaptiveSchedule
+    from ds_cluster.loader.sampler import ClusterDataLoader
+
+    labels = np.repeat(np.arange(2), 20)
+    data = [{"labels": torch.zeros(4, dtype=torch.int64)} for _ in labels]
+    fractions = []
+    for block in ({}, {"schedule": "adaptive", "budget_ratio": 0.5}, {"schedule": "adaptive", "budget_ratio": "auto"},
                   {"schedule": "adaptive", "budget_ratio": "auto", "auto_cooldown": 0.0}):
-        factor = run_schedule(block, lambda: 100, 0.05, lambda: Loader())
-        assert [factor(step) for step in (3, 50, 90)] == [cosine(step) for step in (3, 50, 90)]
-    made = {}
-    factor = run_schedule({"schedule": "adaptive", "budget_ratio": "auto"}, lambda: 100, 0.05,
-                          lambda: made.get("loader"))  # auto_cooldown's default, 0.2
-    assert factor(50) == 1.0 and factor(90) == pytest.approx(((100 - 90) / round(100 / 6)))  # the cap's last 1/6
-    made["loader"] = Loader()
-    assert factor(50) == pytest.approx(0.5) and factor(60) == 0.0
+        config = ClusterSamplingConfig.from_dict({"enabled": True, "num_clusters": 2, "loss_reduction": "sample",
+                                                  "budget_mode": "proportional",
+                                                  "analysis_path": str(tmp_path / "a"), **block})
+        stages = config.stages()
+        plan = build_plan(None, stages, world_size=1, micro_batch_size=2, gradient_accumulation_steps=1,
+                          labels=labels)
+        schedule = AdaptiveSchedule(plan, 0, stages.schedule) if stages.schedule.adaptive else None
+        fractions.append(ClusterDataLoader(data, plan, 0, schedule=schedule).cooldown_fraction)
+    assert fractions == [None, None, 0.2, None]

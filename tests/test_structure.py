@@ -20,13 +20,13 @@ LONG_REASON = "Long because"
 # The floors, lowest first (docs/design.md): a module imports only its own floor and the floors below it.
 FLOORS = [
     ("ds_cluster.registry", "ds_cluster.fileio", "ds_cluster.collectives", "ds_cluster.ds_config",
-     "ds_cluster.batching", "ds_cluster.distributed"),
+     "ds_cluster.batching", "ds_cluster.distributed", "ds_cluster.settings"),
     ("ds_cluster.data",),
     ("ds_cluster.features",),
     ("ds_cluster.clustering",),
+    ("ds_cluster.analysis",),
     ("ds_cluster.planning",),
     ("ds_cluster.config",),
-    ("ds_cluster.analysis",),
     ("ds_cluster.loader",),
     ("ds_cluster.report",),
     ("ds_cluster.integrations",),
@@ -186,7 +186,7 @@ def test_no_docstring_cites_a_file_outside_the_repository():
 # The two ends docs/design.md names: only these files may touch DeepSpeed or torch.distributed.
 ENDS = {"ds_cluster/integrations/deepspeed.py", "ds_cluster/integrations/hf.py", "ds_cluster/integrations/trl.py",
         "ds_cluster/integrations/setup.py", "ds_cluster/distributed.py", "ds_cluster/features/extract.py",
-        "ds_cluster/features/model_info.py", "ds_cluster/features/feature_model.py", "ds_cluster/train.py",
+        "ds_cluster/features/model_info.py", "ds_cluster/features/source.py", "ds_cluster/train.py",
         "ds_cluster/cli/analyze.py", "ds_cluster/cli/train.py"}
 
 
@@ -241,3 +241,62 @@ def test_no_rule_is_compared_by_its_name_outside_its_registry():
                 if constants or containers:
                     compared.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert compared == []
+
+
+# The loader's classes, and the attributes callers probed before there was one loader (0.5.0).
+LOADER_CLASSES = {"ClusterDataLoader", "AdaptiveDataLoader", "Schedule", "StaticSchedule", "AdaptiveSchedule"}
+LOADER_PROBES = {"finished", "consumed", "cooldown_steps", "current_shares", "epoch_batches", "prepare_epoch",
+                 "trainer_batches", "schedule", "probe", "pools"}
+
+
+def test_no_caller_asks_which_loader_or_schedule_it_has():
+    """One loader with two schedules: outside ds_cluster/loader/ nothing tests a loader's class, or probes it for
+    what only one schedule had."""
+    found = []
+    for path in _package_files():
+        if path.is_relative_to(PACKAGE / "loader"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            if node.func.id == "isinstance" and len(node.args) == 2:
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                names = {getattr(kind, "id", getattr(kind, "attr", None)) for kind in kinds}
+                if names & LOADER_CLASSES:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} isinstance")
+            if node.func.id in ("hasattr", "getattr") and len(node.args) >= 2 and \
+                    isinstance(node.args[1], ast.Constant) and node.args[1].value in LOADER_PROBES:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.func.id}({node.args[1].value!r})")
+    assert found == []
+
+
+# The settings types each floor below the config may import (ds_cluster/settings.py): a stage reads its own.
+STAGE_SETTINGS = {
+    "ds_cluster.features": {"FeatureSettings"},
+    "ds_cluster.clustering": {"ClusteringSettings", "stages_of"},
+    "ds_cluster.analysis": {"FeatureSettings", "ClusteringSettings", "stages_of"},
+    "ds_cluster.planning": {"ClusteringSettings", "StageSettings", "stages_of"},
+    "ds_cluster.loader": {"ScheduleSettings", "LossSettings"},
+}
+
+
+def test_each_stage_imports_only_its_own_settings():
+    imported = []
+    for path in _package_files():
+        module = _module_name(path)
+        floor = next((prefix for prefix in STAGE_SETTINGS if module.startswith(prefix + ".")), None)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "ds_cluster.settings":
+                names = {alias.name for alias in node.names}
+                allowed = STAGE_SETTINGS.get(floor, set()) if floor else names
+                if names - allowed:
+                    imported.append(f"{module} imports {sorted(names - allowed)}")
+    assert imported == []
+
+
+def test_every_key_of_the_block_reaches_a_stage_and_the_plans_fingerprint():
+    """A key no stage declares would reach no code, and would be missing from the fingerprint."""
+    from ds_cluster.config import NOT_STAGE_KEYS, ClusterSamplingConfig
+    from ds_cluster.settings import StageSettings
+
+    assert set(ClusterSamplingConfig.model_fields) - set(NOT_STAGE_KEYS) == StageSettings.declared_keys()

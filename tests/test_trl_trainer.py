@@ -182,7 +182,7 @@ def test_the_weighted_loss_reads_sfttrainers_labels(small_job: Path, tmp_path: P
     trainer = ClusterSFTTrainer(model=model, args=args, train_dataset=_prompt_completion(small_job),
                                 processing_class=tokenizer, cluster_config=block)
     loader = trainer.get_train_dataloader()
-    schedule = trainer.plan.schedule(0)
+    schedule = trainer.plan.epoch_layout(0)
     batches = list(loader)
     assert [batch["sample_index"].tolist() for batch in batches] == schedule.reshape(-1, 4).tolist()
 

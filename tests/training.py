@@ -60,7 +60,7 @@ def assert_run_follows_plan(out: Path, world: int = 2, loss_falls: bool = True) 
         trace = read_trace(out, rank)
         assert trace, f"rank {rank} trained on nothing"
         for record in trace:
-            schedule = schedules.setdefault(record["epoch"], plan.schedule(record["epoch"]))
+            schedule = schedules.setdefault(record["epoch"], plan.epoch_layout(record["epoch"]))
             step, micro = divmod(record["micro"], plan.gradient_accumulation_steps)
             assert record["indices"] == schedule[step, rank, micro].tolist()
         losses = [r["loss"] for r in trace]
@@ -132,7 +132,7 @@ def assert_trainer_follows_plan(out: Path, plan: Plan, max_steps: int, world: in
     across epoch boundaries."""
     accumulation = plan.gradient_accumulation_steps
     micro_per_epoch = plan.steps_per_epoch * accumulation
-    schedules = {epoch: plan.schedule(epoch) for epoch in range(max_steps // plan.steps_per_epoch + 1)}
+    schedules = {epoch: plan.epoch_layout(epoch) for epoch in range(max_steps // plan.steps_per_epoch + 1)}
     for rank in range(world):
         trace = read_trace(out, rank)
         assert len(trace) == max_steps * accumulation, f"rank {rank} trained {len(trace)} micro-batches"

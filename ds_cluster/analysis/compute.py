@@ -20,19 +20,18 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from ds_cluster.analysis.folder import AnalysisDir
-from ds_cluster.clustering.kmeans import (ClusterResult, category_counts, cluster_by_config, kmeans_settings,
-                                          purity, spread_to_all)
+from ds_cluster.clustering.kmeans import ClusterResult, category_counts, cluster_with, purity, spread_to_all
 from ds_cluster.collectives import LOCAL, Collectives
-from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.data.dataset import dataset_fingerprint
 from ds_cluster.features.extract import ExtractionResult, run_extraction
 from ds_cluster.features.kinds import feature_kind
 from ds_cluster.features.store import DEFAULT_SHARD_SIZE
+from ds_cluster.settings import ClusteringSettings, FeatureSettings, stages_of
 
 logger = logging.getLogger(__name__)
 
 
-def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike], settings: ClusterSamplingConfig,
+def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike], settings: Any,
             *, kind: Optional[str] = None, dim: Optional[int] = None, batch_size: int = 8,
             store_dir: Union[None, str, os.PathLike] = None, recompute: bool = False,
             shard_size: int = DEFAULT_SHARD_SIZE, show_progress: bool = True,
@@ -41,9 +40,11 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
             analysis_of_fingerprint: Optional[str] = None) -> dict[str, Any]:
     """Extract features with `engine`, cluster them, and write the analysis folder `out_dir`.
 
-    Collective: call on every rank with the same arguments. `kind`/`dim`
-    default to the settings' ``feature_kind``/``feature_dim``; K is
-    ``settings.resolved_num_clusters(world_size)``. `recompute` discards the
+    Collective: call on every rank with the same arguments. `settings`: the
+    `cluster_sampling` block (a ClusterSamplingConfig) or its `StageSettings`:
+    the features and clustering stages' settings are read. `kind`/`dim`
+    default to the features' kind and dimension; K is the clustering's
+    ``resolved_num_clusters(world_size)``. `recompute` discards the
     feature store (default ``out_dir/.feature_store``). `provenance` (model,
     data paths...) goes into manifest.json. `collectives`: this rank among the
     ranks sharing the work (`ds_cluster.distributed.collectives()` in a job).
@@ -53,21 +54,23 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
     Returns the summary on every rank.
     """
     started = time.perf_counter()
-    rank, world_size = collectives.rank, collectives.world_size
+    stages = stages_of(settings)
+    features, clustering = stages.features, stages.clustering
+    world_size = collectives.world_size
     folder = AnalysisDir(out_dir)
-    kind = kind or settings.feature_kind
-    dim = dim if dim is not None else (settings.feature_dim if feature_kind(kind).projected else None)
+    kind = kind or features.kind
+    dim = dim if dim is not None else (features.dim if feature_kind(kind).projected else None)
     store_path = Path(store_dir) if store_dir is not None else folder.store_path()
     target = dataset if analysis_of is None else analysis_of
     target_fingerprint = analysis_of_fingerprint or dataset_fingerprint(target)
     extraction = run_extraction(engine, dataset, kind=kind, dim=dim, batch_size=batch_size, store=store_path,
-                                seed=settings.seed, normalize=settings.normalize_features,
+                                seed=features.seed, normalize=features.normalize,
                                 show_progress=show_progress, shard_size=shard_size, overwrite=recompute,
-                                sharded=settings.sharded_clustering, collectives=collectives,
+                                sharded=features.sharded, collectives=collectives,
                                 fingerprint=target_fingerprint if target is dataset else None)
     extracted = time.perf_counter()
     gc.collect()
-    clusters = _sharded_clusters(extraction, settings, collectives) if settings.sharded_clustering else None
+    clusters = _sharded_clusters(extraction, clustering, collectives) if clustering.sharded else None
     # The training config's stage when the caller names it (a forward-only engine runs 1 and 2 as 0).
     stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
     # Rank 0's forward and feature seconds beside the whole extraction's.
@@ -75,7 +78,8 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
     # Rank 0 clusters and writes; the agreement is also the barrier: the folder is written when it completes.
     collectives.run_agreed(
         "clustering and writing the analysis",
-        lambda: _cluster_and_write(folder, extraction, target, target_fingerprint, settings, world_size, store_path,
+        lambda: _cluster_and_write(folder, extraction, target, target_fingerprint, features, clustering, world_size,
+                                   store_path,
                                    timings=timings, started=started,
                                    provenance={"zero_stage": stage, **(provenance or {})}, clusters=clusters),
         only_rank=0, errors=(ValueError, OSError, RuntimeError))
@@ -84,7 +88,7 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
     return summary
 
 
-def _sharded_clusters(extraction: ExtractionResult, settings: ClusterSamplingConfig, collectives: Collectives
+def _sharded_clusters(extraction: ExtractionResult, clustering: ClusteringSettings, collectives: Collectives
                       ) -> ClusterResult:
     """k-means over every rank's own rows together (collective); the result for the samples with response tokens."""
     from ds_cluster.clustering.sharded import cluster_sharded
@@ -94,23 +98,23 @@ def _sharded_clusters(extraction: ExtractionResult, settings: ClusterSamplingCon
     own_with_response = has_response[extraction.rows]
     result = cluster_sharded(extraction.rows[own_with_response], extraction.features[own_with_response],
                              num_samples=int(extraction.empty_mask.size), collectives=collectives,
-                             **kmeans_settings(settings, collectives.world_size))
+                             **clustering.kmeans_arguments(collectives.world_size))
     # all_rows are exactly the samples with response tokens, ascending: the order rank 0 writes them in.
     return ClusterResult(result.all_labels, result.centroids, result.all_distances)
 
 
 def _cluster_and_write(folder: AnalysisDir, extraction: ExtractionResult, dataset: Sequence[Any], fingerprint: str,
-                       settings: ClusterSamplingConfig, world_size: int, store_path: Path,
+                       features: FeatureSettings, clustering: ClusteringSettings, world_size: int, store_path: Path,
                        timings: dict[str, float], started: float, provenance: Mapping[str, Any],
                        clusters: Optional[ClusterResult] = None) -> None:
     """Rank 0's part: k-means over the samples with response tokens (unless the ranks did it together),
     then the folder."""
     clustering_started = time.perf_counter()
-    num_clusters = settings.resolved_num_clusters(world_size)
+    num_clusters = clustering.resolved_num_clusters(world_size)
     # Samples without response tokens have no gradient: they stay out of k-means (label -1).
     has_response = ~np.asarray(extraction.empty_mask, dtype=bool)
     if clusters is None:
-        clusters = cluster_by_config(extraction.features[has_response], settings, world_size)
+        clusters = cluster_with(extraction.features[has_response], clustering, world_size)
     num_samples = len(dataset)
     labels, distances = spread_to_all(clusters, np.flatnonzero(has_response), num_samples)
     timings = {**timings, "cluster": time.perf_counter() - clustering_started}
@@ -136,8 +140,8 @@ def _cluster_and_write(folder: AnalysisDir, extraction: ExtractionResult, datase
         "model_fingerprint": extraction.manifest.model_fingerprint if extraction.manifest else None,
         "dataset_fingerprint": fingerprint,
         "feature_store": os.fspath(store_path), "kind": extraction.kind, "dim": extraction.dim,
-        "seed": settings.seed, "normalize": settings.normalize_features, "num_clusters": num_clusters,
-        "world_size": world_size, "cluster_sampling": settings.model_dump(),
+        "seed": features.seed, "normalize": features.normalize, "num_clusters": num_clusters,
+        "world_size": world_size, "cluster_sampling": {**features.block_values(), **clustering.block_values()},
     }
     summary["timings_s"]["total"] = round(time.perf_counter() - started, 3)
     arrays = {} if extraction.rows is not None else {"features.npy": extraction.features.astype(np.float32, copy=False)}

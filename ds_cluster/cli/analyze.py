@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
 
 from ds_cluster.cli.common import FORMATTER, add_launcher_options, input_error, logger
 from ds_cluster.features.kinds import FEATURE_KINDS
@@ -70,9 +69,11 @@ def run(args: argparse.Namespace) -> int:
 
     from ds_cluster.analysis.compute import analyze
     from ds_cluster.config import ClusterSamplingConfig
-    from ds_cluster.data.dataset import DEFAULT_MAX_LENGTH
+    from ds_cluster.data.dataset import DEFAULT_MAX_LENGTH, load_instruction_dataset
+    from ds_cluster.data.models import load_tokenizer
     from ds_cluster.distributed import collectives, get_rank, init_distributed, shutdown
     from ds_cluster.ds_config import read_ds_config
+    from ds_cluster.features.source import feature_source
     from ds_cluster.features.store import DEFAULT_SHARD_SIZE
 
     started = time.perf_counter()
@@ -82,17 +83,22 @@ def run(args: argparse.Namespace) -> int:
         settings = ClusterSamplingConfig.from_ds_config(ds_config)
         if args.feature_model:
             settings.feature_model = args.feature_model
+        stages = settings.stages()
         max_length = args.max_length or DEFAULT_MAX_LENGTH
-        engine, dataset, features_of = _engine_and_data(args, ds_config, settings, max_length)
-        loaded = time.perf_counter()
-        summary = analyze(engine, features_of, args.out, settings, kind=args.kind, dim=args.dim,
-                          batch_size=args.batch_size, store_dir=args.store, recompute=args.recompute,
-                          shard_size=args.shard_size or DEFAULT_SHARD_SIZE, show_progress=not args.no_progress,
-                          analysis_of=dataset, collectives=collectives(),
-                          provenance={"model": os.fspath(args.model), "data": os.fspath(args.data),
-                                      "feature_model": settings.feature_model,
-                                      "max_length": max_length, "ds_config": source,
-                                      "zero_stage": int((ds_config.get("zero_optimization") or {}).get("stage", 0))})
+        # The data as the training job tokenizes it (the trained model's tokenizer); the features from --model's
+        # forward-only engine, or from a separate feature model's on its own re-encoding of the same records.
+        dataset = load_instruction_dataset(args.data, load_tokenizer(args.model), max_length=max_length)
+        with feature_source(stages.features, dataset, ds_config=ds_config, model=args.model) as features:
+            loaded = time.perf_counter()
+            summary = analyze(features.engine, features.dataset, args.out, stages, kind=args.kind, dim=args.dim,
+                              batch_size=args.batch_size, store_dir=args.store, recompute=args.recompute,
+                              shard_size=args.shard_size or DEFAULT_SHARD_SIZE, show_progress=not args.no_progress,
+                              analysis_of=dataset, collectives=collectives(),
+                              provenance={"model": os.fspath(args.model), "data": os.fspath(args.data),
+                                          "feature_model": stages.features.model,
+                                          "max_length": max_length, "ds_config": source,
+                                          "zero_stage": int((ds_config.get("zero_optimization") or {}).get("stage",
+                                                                                                           0))})
     except (ValueError, FileNotFoundError) as err:
         # Bad input (config, data, a store made with other settings): a message, not a traceback.
         return input_error("analyze", err)
@@ -105,30 +111,3 @@ def run(args: argparse.Namespace) -> int:
                     summary["dim"], summary["cluster_sizes"], purity, loaded - started,
                     time.perf_counter() - started)
     return 0
-
-
-def _engine_and_data(args: argparse.Namespace, ds_config: dict, settings: Any, max_length: int
-                     ) -> tuple[Any, Any, Any]:
-    """(forward-only engine, the data the analysis is for, the data the engine reads): the same data unless a
-    separate feature model re-encodes it with its own tokenizer."""
-    import deepspeed
-
-    from ds_cluster.ds_config import forward_only_config
-    from ds_cluster.data.dataset import load_instruction_dataset
-    from ds_cluster.data.models import load_model_and_tokenizer
-
-    if not settings.feature_model:
-        engine_config = forward_only_config(ds_config)
-        model, tokenizer = load_model_and_tokenizer(args.model, ds_config=engine_config)
-        dataset = load_instruction_dataset(args.data, tokenizer, max_length=max_length)
-        engine, *_ = deepspeed.initialize(model=model, config=engine_config)
-        return engine, dataset, dataset
-    from transformers import AutoTokenizer
-
-    from ds_cluster.features.feature_model import feature_dataset, feature_engine
-
-    # The trained model's tokenizer only: the analysis is for the data as the training job tokenizes it.
-    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    dataset = load_instruction_dataset(args.data, tokenizer, max_length=max_length)
-    engine, feature_tokenizer = feature_engine(settings.feature_model, ds_config)
-    return engine, dataset, feature_dataset(dataset, feature_tokenizer, settings.feature_max_length)

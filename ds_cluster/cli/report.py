@@ -80,10 +80,13 @@ def read_schedule_log(analysis: Path, given: Optional[str]) -> Optional[list[dic
 
 
 def categories_of(records: Optional[list[dict]]) -> Optional[list[str]]:
-    """The category of every record (its `category`, else `family` field), or None when there is none."""
+    """Every record's task group (`data.dataset.task_group`: its `category`, else `family`), or None when none has
+    one."""
+    from ds_cluster.data.dataset import task_group
+
     if records is None:
         return None
-    categories = [str(record.get("category", record.get("family", ""))) for record in records]
+    categories = [task_group(record) for record in records]
     return categories if any(categories) else None
 
 

@@ -8,14 +8,12 @@ import logging
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import numpy as np
 
 from ds_cluster.registry import Registry
-
-if TYPE_CHECKING:
-    from ds_cluster.config import ClusterSamplingConfig
+from ds_cluster.settings import ClusteringSettings, stages_of
 
 logger = logging.getLogger(__name__)
 
@@ -215,20 +213,19 @@ def capped_assignment(
     return labels.astype(np.int64)
 
 
-def kmeans_settings(config: "ClusterSamplingConfig", world_size: int) -> dict[str, Any]:
-    """The k-means keywords of a cluster_sampling block, K resolved for `world_size`.
-
-    The one reading of the block for every k-means call: in one process
-    (`cluster_by_config`) and over the ranks (`clustering_sharded.cluster_sharded`).
-    """
-    return {"num_clusters": config.resolved_num_clusters(world_size), "seed": config.seed,
-            "n_init": config.kmeans_n_init, "max_iter": config.kmeans_max_iter,
-            "capacity_factor": config.capacity_factor, "capacity_neighbors": config.capacity_neighbors}
+def cluster_with(points: np.ndarray, settings: ClusteringSettings, world_size: int) -> ClusterResult:
+    """k-means of `points` as the clustering settings say (K for `world_size`, restarts, cap, back-end, seed)."""
+    return cluster_features(points, backend=settings.backend, **settings.kmeans_arguments(world_size))
 
 
-def cluster_by_config(points: np.ndarray, config: "ClusterSamplingConfig", world_size: int) -> ClusterResult:
-    """k-means of `points` as the block says (K, restarts, cap, back-end, seed)."""
-    return cluster_features(points, backend=config.backend, **kmeans_settings(config, world_size))
+def kmeans_settings(config: Any, world_size: int) -> dict[str, Any]:
+    """0.5.0's reading of a block's k-means keys: `ClusteringSettings.kmeans_arguments`."""
+    return stages_of(config).clustering.kmeans_arguments(world_size)
+
+
+def cluster_by_config(points: np.ndarray, config: Any, world_size: int) -> ClusterResult:
+    """0.5.0's `cluster_with` for a whole block."""
+    return cluster_with(points, stages_of(config).clustering, world_size)
 
 
 def spread_to_all(clusters: ClusterResult, participating_rows: np.ndarray, num_samples: int

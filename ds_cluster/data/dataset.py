@@ -166,8 +166,8 @@ class InstructionDataset(Dataset):
 
     @property
     def categories(self) -> list[str]:
-        """The ``category`` of every record, else its ``family`` ('' where a record has neither)."""
-        return [str(_first_present(r, ("category", "family"), "")) for r in self.records]
+        """Every record's task group (`task_group`: its ``category``, else its ``family``, else '')."""
+        return [task_group(r) for r in self.records]
 
     def __len__(self) -> int:
         return len(self.records)
@@ -247,6 +247,16 @@ def _hash_item(digest: Any, item: Any) -> None:
             _hash_item(digest, part)
     else:
         digest.update(repr(item).encode())
+
+
+# The fields that name a record's task group, first found first: what the analysis's purity, the report's
+# cluster-versus-category table and the evaluation's per-group figures read.
+TASK_GROUP_FIELDS = ("category", "family")
+
+
+def task_group(record: Mapping[str, Any]) -> str:
+    """A record's task group: its ``category``, else its ``family``, else '' (a None field counts as absent)."""
+    return str(_first_present(record, TASK_GROUP_FIELDS, ""))
 
 
 def _first_present(record: Mapping[str, Any], fields: Sequence[str], default: Any) -> Any:

@@ -12,10 +12,8 @@ assistant turn is the response). The trained model is never touched.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -77,32 +75,9 @@ def _decoded_record(training_data: Any, index: int) -> dict[str, str]:
             "completion": tokenizer.decode(response, skip_special_tokens=True)}
 
 
-@contextlib.contextmanager
-def _own_zero3_context() -> Iterator[None]:
-    """Keep transformers' ZeRO-3 switch as the training job set it while the feature model is loaded."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    saved = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
-
-
-def feature_engine(path: Union[str, os.PathLike], ds_config: Optional[Mapping[str, Any]]) -> tuple[Any, Any]:
-    """(forward-only DeepSpeed engine of the feature model under the job's ZeRO stage, its tokenizer). Collective."""
-    import deepspeed
-
-    from ds_cluster.ds_config import forward_only_config
-    from ds_cluster.data.models import load_model_and_tokenizer
-
-    config = forward_only_config(dict(ds_config or {}))
-    config.setdefault("train_micro_batch_size_per_gpu", 1)
-    config.setdefault("gradient_accumulation_steps", 1)
-    config.pop("train_batch_size", None)
-    with _own_zero3_context():
-        model, tokenizer = load_model_and_tokenizer(path, ds_config=config)
-        engine, *_ = deepspeed.initialize(model=model, config=config)
-    logger.info("feature model %s loaded in a forward-only engine (ZeRO stage %s)", os.fspath(path),
-                (config.get("zero_optimization") or {}).get("stage", 0))
-    return engine, tokenizer
+def __getattr__(name: str) -> Any:
+    if name == "feature_engine":
+        raise AttributeError("ds_cluster.features.feature_model.feature_engine is gone since 0.6.0: "
+                             "ds_cluster.features.source.feature_source builds the feature model's engine (and "
+                             "destroys it after)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

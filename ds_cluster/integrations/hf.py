@@ -44,7 +44,6 @@ from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.data.dataset import trim_padding
 from ds_cluster.fileio import write_json_atomic
 from ds_cluster.integrations.setup import ClusterSetup, TrainerAdapter
-from ds_cluster.loader.adaptive import AdaptiveDataLoader
 from ds_cluster.loader.figures import figure_logs
 from ds_cluster.loader.loss import LOSS_NORMALIZER, SAMPLE_LOSSES, probe_losses, weighted_causal_lm_loss
 from ds_cluster.planning.plan import Plan
@@ -93,11 +92,9 @@ class PlanDataLoader(DataLoader):
         self.batch_sampler.set_epoch(epoch)  # type: ignore[union-attr]
 
     def __iter__(self) -> Any:
-        # The loss normalisers of the epoch are set before worker processes copy the dataset (the adaptive
+        # The epoch's weights and loss normalisers are set before worker processes copy the dataset (an adaptive
         # schedule sets them window by window, in this process: it runs without workers).
-        loader = self.batch_sampler.loader  # type: ignore[union-attr]
-        if not isinstance(loader, AdaptiveDataLoader):
-            loader.prepare_epoch(loader.epoch)
+        self.batch_sampler.loader.prepare_iteration()  # type: ignore[union-attr]
         return super().__iter__()
 
 
@@ -187,7 +184,7 @@ class ClusterSamplingMixin:
     def trainer_adapter(self, collate_fn: Optional[Any] = None, loader_dataset: Any = None) -> TrainerAdapter:
         """The Trainer's place among the trainers: every rank is a data-parallel rank (checked), the batch is
         `per_device_train_batch_size` x `gradient_accumulation_steps` per rank, and a forward-only engine of
-        the model computes a missing analysis.
+        the model under the job's ZeRO stage (the model itself without DeepSpeed) computes a missing analysis.
 
         Rank and world size come from torch.distributed, not from `args.process_index`/`world_size`:
         Accelerate reports one process for DeepSpeed on CPU although DeepSpeed trains on all of them.
@@ -195,11 +192,11 @@ class ClusterSamplingMixin:
         check_data_parallel_is_the_world(self.args)
         everyone = distributed.collectives()
         shape = BatchShape(everyone.world_size, self._train_batch_size, self.args.gradient_accumulation_steps)
-        if self.cluster_config.schedule == "adaptive" and self.args.dataloader_num_workers:
+        if self.cluster_config.stages().schedule.adaptive and self.args.dataloader_num_workers:
             raise ValueError("the adaptive schedule draws each window from the losses of the one before, in the "
                              "training process: set dataloader_num_workers=0 (or schedule 'static')")
         return TrainerAdapter(name=f"the training job ({type(self).__name__})", data_parallel=everyone, shape=shape,
-                              engine=self._feature_engine, collate_fn=collate_fn, loader_dataset=loader_dataset,
+                              model=self.model, collate_fn=collate_fn, loader_dataset=loader_dataset,
                               probe_losses=lambda batch: probe_losses(self.model_wrapped, batch))
 
     def cluster_plan_dataset(self) -> Any:
@@ -210,18 +207,6 @@ class ClusterSamplingMixin:
         the loader still reads `train_dataset`.
         """
         return self.train_dataset
-
-    def _feature_engine(self) -> Any:
-        """What computes the features of a missing analysis: a forward-only engine under the job's ZeRO stage."""
-        if not self.args.deepspeed:
-            return self.model
-        import deepspeed
-
-        from ds_cluster.ds_config import forward_only_config
-
-        config = forward_only_config(_without_auto(self.args.hf_deepspeed_config.config))
-        engine, *_ = deepspeed.initialize(model=self.model, config=config)
-        return engine
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:

@@ -28,9 +28,8 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional
 
-import torch
 
 from ds_cluster import distributed
 from ds_cluster.analysis.folder import AnalysisDir, PlanInputs
@@ -38,16 +37,13 @@ from ds_cluster.batching import BatchShape, check_batch_arithmetic
 from ds_cluster.collectives import Collectives
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.data.dataset import dataset_fingerprint
-from ds_cluster.loader.adaptive import AdaptiveDataLoader, AdaptiveSettings
+from ds_cluster.features.source import feature_source
+from ds_cluster.loader.adaptive import AdaptiveSchedule
 from ds_cluster.loader.sampler import ClusterDataLoader
+from ds_cluster.loader.schedule import Schedule, StaticSchedule
 from ds_cluster.planning.plan import Plan, build_plan
 
 logger = logging.getLogger(__name__)
-
-# An engine whose forward computes the features, or a function that builds a forward-only one on demand
-# (destroyed once the analysis is written).
-EngineOrFactory = Union[Any, Callable[[], Any]]
-
 
 @dataclass(frozen=True)
 class TrainerAdapter:
@@ -57,7 +53,10 @@ class TrainerAdapter:
     name: str  # says who computed an analysis, in its manifest and in messages
     data_parallel: Collectives  # this rank among the data-parallel ranks (rank, size, the sum over them)
     shape: BatchShape
-    engine: EngineOrFactory = None
+    engine: Any = None  # the job's own engine, whose forward computes a missing analysis (the hook's)
+    # Or the model: a forward-only engine of it under the set-up's DeepSpeed config computes the analysis (a
+    # Trainer's; without a DeepSpeed config, the model itself).
+    model: Any = None
     collate_fn: Optional[Callable] = None
     loader_dataset: Any = None  # what the loader reads, when not the training data itself
     # The adaptive schedule's probe losses with the model being trained (`loss.probe_losses` on the engine).
@@ -74,6 +73,7 @@ class ClusterSetup:
     def __init__(self, config: ClusterSamplingConfig, training_data: Any, *, everyone: Collectives,
                  ds_config: Optional[Mapping] = None, source: str = "the DeepSpeed config"):
         self.config = config
+        self.stages = config.stages()  # every stage's settings, derived once
         self.training_data = training_data
         self.everyone = everyone
         self.ds_config = ds_config
@@ -161,13 +161,12 @@ class ClusterSetup:
             inputs, timings = self.analyze_in_job(adapter)
         plan = self.agreed_plan(adapter.shape, inputs)
         dataset = self.training_data if adapter.loader_dataset is None else adapter.loader_dataset
-        if self.config.schedule == "adaptive":
-            loader: ClusterDataLoader = AdaptiveDataLoader(
-                dataset, plan, adapter.data_parallel.rank, AdaptiveSettings.from_config(self.config),
-                collectives=adapter.data_parallel, collate_fn=adapter.collate_fn, probe_losses=adapter.probe_losses)
-        else:
-            loader = ClusterDataLoader(dataset, plan, adapter.data_parallel.rank, collate_fn=adapter.collate_fn,
-                                       sum_over_ranks=adapter.data_parallel.sum)
+        rank = adapter.data_parallel.rank
+        schedule: Schedule = (AdaptiveSchedule(plan, rank, self.stages.schedule, collectives=adapter.data_parallel,
+                                               probe_losses=adapter.probe_losses)
+                              if self.stages.schedule.adaptive else StaticSchedule(plan, rank))
+        loader = ClusterDataLoader(dataset, plan, rank, schedule=schedule, loss=self.stages.loss,
+                                   collectives=adapter.data_parallel, collate_fn=adapter.collate_fn)
         loader.analysis_timings = timings
         return loader
 
@@ -183,25 +182,15 @@ class ClusterSetup:
         from ds_cluster.analysis.compute import analyze
 
         started, cpu_started = time.perf_counter(), time.process_time()
-        provenance = {"computed_by": adapter.name, "feature_model": self.config.feature_model}
-        features_of = self.training_data
-        if self.config.feature_model:
-            from ds_cluster.features.feature_model import feature_dataset, feature_engine
-
-            feature_model, feature_tokenizer = feature_engine(self.config.feature_model, self.ds_config)
-            features_of = feature_dataset(self.training_data, feature_tokenizer, self.config.feature_max_length)
-            built = True
-        else:
-            built = callable(adapter.engine) and not isinstance(adapter.engine, torch.nn.Module)
-            feature_model = adapter.engine() if built else adapter.engine
-        try:
-            summary = analyze(feature_model, features_of, self.config.analysis_path, self.config,
+        features = self.stages.features
+        provenance = {"computed_by": adapter.name, "feature_model": features.model}
+        # The job's engine (the hook), else a forward-only one of the model (a Trainer), else a separate feature model.
+        with feature_source(features, self.training_data, ds_config=self.ds_config,
+                            engine=adapter.engine, model=adapter.model) as source:
+            summary = analyze(source.engine, source.dataset, self.config.analysis_path, self.stages,
                               batch_size=adapter.shape.micro_batch_size, show_progress=self.everyone.rank == 0,
                               provenance=provenance, collectives=self.everyone, analysis_of=self.training_data,
                               analysis_of_fingerprint=self.data_fingerprint)
-        finally:
-            if built and hasattr(feature_model, "destroy"):
-                feature_model.destroy()  # removes its ZeRO-3 hooks: the trainer's own engine comes next
         inputs = self.everyone.run_agreed("reading the analysis just computed", self.read_inputs,
                                           errors=(ValueError, FileNotFoundError))
         assert inputs is not None
@@ -216,7 +205,7 @@ class ClusterSetup:
         """Collective: the plan for this batch shape, the same on every rank, or an error on every rank."""
         def build() -> Plan:
             given = inputs if inputs is not None else self.read_inputs()
-            return build_plan(config=self.config, world_size=shape.world_size, micro_batch_size=shape.micro_batch_size,
+            return build_plan(config=self.stages, world_size=shape.world_size, micro_batch_size=shape.micro_batch_size,
                               gradient_accumulation_steps=shape.gradient_accumulation_steps,
                               **given.plan_arguments())
 

@@ -45,7 +45,7 @@ except ImportError as err:  # an extra: a training job through the hook or Clust
 
 from ds_cluster import distributed
 from ds_cluster.config import ClusterSamplingConfig
-from ds_cluster.data.dataset import IGNORE_INDEX
+from ds_cluster.data.dataset import IGNORE_INDEX, TASK_GROUP_FIELDS, task_group
 from ds_cluster.integrations.hf import ClusterSamplingMixin, resolve_cluster_config
 from ds_cluster.loader.sampler import SAMPLE_WEIGHT
 
@@ -90,11 +90,13 @@ class PaddedRowsView(Dataset):
 
     @property
     def categories(self) -> Optional[list[str]]:
-        """A `category` (else `family`) column of the rows, for the analysis summary's cluster purity; else None."""
-        for column in ("category", "family"):
-            if column in self.rows.column_names:
-                return ["" if value is None else str(value) for value in self.rows[column]]
-        return None
+        """Every row's task group (`task_group`: its `category`, else `family`), for the analysis summary's cluster
+        purity; None when the rows have neither column."""
+        columns = {column: self.rows[column] for column in TASK_GROUP_FIELDS if column in self.rows.column_names}
+        if not columns:
+            return None
+        return [task_group({column: values[index] for column, values in columns.items()})
+                for index in range(len(self.rows))]
 
 
 def check_sft_options(args: Any, train_dataset: Any, compute_loss_func: Any) -> None:

@@ -1,19 +1,20 @@
-"""Stage 6b, the adaptive schedule at training time: windows of `adapt_every` optimizer steps whose per-cluster
-shares follow what the clusters' losses did in the window before (docs/adaptive.md).
+"""The adaptive schedule at training time: windows of `adapt_every` optimizer steps whose per-cluster shares follow
+what the clusters' losses did in the window before (docs/adaptive.md).
 
 A window is placed like the static plan (`allocation.Stratified`): every rank takes the same count per step and
 the clusters are spread over the steps; inside a cluster the samples come from seeded passes over its pool,
-without replacement until the pool is used up. The window's per-cluster figures (per-sample training losses
-handed over by `record_losses`, summed in fixed point, and the loss on a small probe set held out of training)
-are all-reduced over the data-parallel ranks when the next window starts, so every rank computes the same next
-shares (`planning.schedule`), and the ranks compare them. With budget_ratio "auto", a cluster that stops
-improving stops being drawn (or keeps `auto_maintenance` of its natural share), and when every cluster has
-stopped the run ends, or first cools down for `auto_cooldown` of its steps over every cluster at the natural
-shares (`cooldown_steps` tells the learning-rate schedule when).
+without replacement until the pool is used up. When the next window opens, the finished window's figures (the
+loader's tally of the per-sample training losses since the window began, and the loss on a small probe set held
+out of training) are summed over the data-parallel ranks, so every rank computes the same next shares
+(`planning.shares`), and the ranks compare them. With budget_ratio "auto", a cluster that stops improving stops
+being drawn (or keeps `auto_maintenance` of its natural share), and when every cluster has stopped the run ends,
+or first cools down for `auto_cooldown` of its steps over every cluster at the natural shares (`cooldown_steps`
+tells the learning-rate schedule when).
 
-The state (`state_dict`) is plain JSON: the window's origin (shares, rule state, streams before its draw) and
-the figures of its steps so far, summed over the ranks at save time; a resumed run redraws the window and sees
-the same figures, so it continues with the same shares, indices and losses.
+Between windows the schedule keeps one `WindowState` (shares, rule state, streams before the draw, the auto
+budget's bookkeeping); the state a checkpoint holds is that, the window's number and the figures of its steps so
+far. A resumed run redraws the window from its state and sees the same figures, so it continues with the same
+shares, indices and losses.
 """
 from __future__ import annotations
 
@@ -21,327 +22,276 @@ import hashlib
 import json
 import logging
 import math
-import sys
-from dataclasses import dataclass
+import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
-from ds_cluster.collectives import Collectives
-from ds_cluster.loader.sampler import ClusterDataLoader, loss_arrays, response_token_counts
+from ds_cluster.collectives import LOCAL, Collectives
+from ds_cluster.loader.schedule import Block, Schedule
 from ds_cluster.planning.allocation import Stratified, batch_quotas
 from ds_cluster.planning.plan import Plan
-from ds_cluster.planning.schedule import ADAPTIVE_RULES, WindowFigures, auto_stop, to_fixed_point, window_draws
+from ds_cluster.planning.shares import ADAPTIVE_RULES, AdaptiveRule, WindowFigures, auto_stop, window_draws
+from ds_cluster.planning.tally import ClusterTally
 from ds_cluster.planning.weights import WEIGHTINGS
+from ds_cluster.settings import ScheduleSettings
 
 logger = logging.getLogger(__name__)
 
 # probe_losses(batch) -> each sample's mean response-token loss (float tensor), forward only.
-ProbeLosses = Callable[[dict], torch.Tensor]
+ProbeLosses = Callable[[Any], torch.Tensor]
+
+
+@dataclass
+class WindowState:
+    """What a window is drawn from: the shares, the rule's state, each cluster's stream (pass, position) before
+    the draw, and the auto budget's per-cluster stop, best loss and windows without improvement, and its
+    cool-down ({"start", "end"} in optimizer steps) once announced. Plain JSON in checkpoints."""
+
+    shares: list
+    rule_state: dict
+    streams: list
+    stopped: list
+    best: list
+    stale: list
+    cooldown: Optional[dict] = None
+
+    @classmethod
+    def first(cls, shares: np.ndarray, rule: AdaptiveRule) -> "WindowState":
+        num_clusters = shares.size
+        return cls(shares.tolist(), rule.initial_state(num_clusters), [[0, 0] for _ in range(num_clusters)],
+                   [False] * num_clusters, [None] * num_clusters, [0] * num_clusters)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "WindowState":
+        return cls(**{key: data.get(key) for key in ("shares", "rule_state", "streams", "stopped", "best", "stale",
+                                                     "cooldown")})
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
-class AdaptiveSettings:
-    """The `cluster_sampling` keys the adaptive schedule reads (docs/configuration.md)."""
+class _Draw:
+    """One window's draw: the samples of each cluster, and the streams after it."""
 
-    rule: str
-    adapt_every: int
-    pool: str  # "all" or "selected"
-    probe_size: int
-    exploration: float
-    auto: bool
-    tolerance: float
-    patience: int
-    weighting: str
-    temperature: float
-    log_path: Optional[str] = None
-    cooldown: float = 0.0
-    maintenance: float = 0.0
-
-    @classmethod
-    def from_config(cls, config: Any) -> "AdaptiveSettings":
-        default_log = str(Path(config.analysis_path).absolute().parent / "schedule.jsonl") \
-            if config.analysis_path else None
-        return cls(rule=config.adaptive_rule, adapt_every=config.adapt_every, pool=config.adaptive_pool,
-                   probe_size=config.probe_size, exploration=config.exploration, auto=config.budget_ratio == "auto",
-                   tolerance=config.auto_tolerance, patience=config.auto_patience, weighting=config.weighting,
-                   temperature=config.weight_temperature, log_path=config.schedule_log or default_log,
-                   cooldown=config.auto_cooldown, maintenance=config.auto_maintenance)
+    members: list
+    draws: np.ndarray
+    streams_after: list
 
 
-class AdaptiveDataLoader(ClusterDataLoader):
-    """A rank's loader whose shares change every window; the same interface as the static ClusterDataLoader.
+class AdaptiveSchedule(Schedule):
+    """Windows whose shares follow the clusters' losses. `collectives`: this rank among the data-parallel ranks;
+    `probe_losses`: what computes the probe set's per-sample losses with the model being trained (forward only,
+    called on every rank at the same point), or None for no probe."""
 
-    `collectives`: this rank among the data-parallel ranks; `probe_losses`: what computes the probe set's
-    per-sample losses with the model being trained (forward only, called on every rank at the same point).
-    """
+    kind = "adaptive"
+    opens_ahead = False
 
-    def __init__(self, dataset: Dataset, plan: Plan, rank: int, settings: AdaptiveSettings, *,
-                 collectives: Collectives, collate_fn: Optional[Callable] = None,
-                 probe_losses: Optional[ProbeLosses] = None):
-        super().__init__(dataset, plan, rank, collate_fn=collate_fn, sum_over_ranks=collectives.sum)
+    def __init__(self, plan: Plan, rank: int, settings: ScheduleSettings, *, collectives: Collectives = LOCAL,
+                 probe_losses: Optional[ProbeLosses] = None) -> None:
+        super().__init__(plan, rank)
+        if collectives.world_size != plan.world_size or collectives.rank != rank:
+            raise ValueError(f"the adaptive schedule of rank {rank} of {plan.world_size} was given the collectives of "
+                             f"rank {collectives.rank} of {collectives.world_size}")
         self.settings = settings
         self.collectives = collectives
         self.probe_losses = probe_losses
         self.rule = ADAPTIVE_RULES.get_rule(settings.rule)
         self.shape = plan.batch_shape
-        num_clusters = plan.num_clusters
         self.natural = plan.cluster_sizes / plan.cluster_sizes.sum()
         self.probe, self.pools = _probe_and_pools(plan, settings)
-        self.dataset.weights = np.zeros(plan.num_samples, dtype=np.float32)
-        self._run_micro = 0  # micro-batches handed out in the whole run
-        self._placeholders = 0  # batches the Trainer skips itself on resume (never read)
-        self._window = -1
-        self._window_first_micro = 0
-        self._schedule: Optional[np.ndarray] = None
-        self._origin = {"shares": _active_shares(self.natural, self._has_pool()).tolist(),
-                        "rule_state": self.rule.initial_state(num_clusters),
-                        "streams": [[0, 0] for _ in range(num_clusters)], "stopped": [False] * num_clusters,
-                        "best": [None] * num_clusters, "stale": [0] * num_clusters}
-        self._local = np.zeros(2 * num_clusters, dtype=np.int64)  # this rank's loss sums (fixed point), counts
-        self._carried = np.zeros(2 * num_clusters, dtype=np.int64)  # every rank's, from before a checkpoint
-        self.finished = False
+        self.state = WindowState.first(_active_shares(self.natural, self._has_pool()), self.rule)
+        self.window = -1  # the window drawn last (or restored from a checkpoint); -1 before the first
+        self._drawn: Optional[_Draw] = None
+        self._mark: Optional[np.ndarray] = None  # the tally at the window's start
+        self._carried = np.zeros(2 * plan.num_clusters, dtype=np.int64)  # every rank's, from before a checkpoint
         self._log_ready = False  # a fresh run starts the log anew; a resumed one keeps its windows before
+        self._read_batch: Optional[Callable[[Sequence[int]], Any]] = None
 
-    # ------------------------------------------------------------ iteration
     @property
-    def completed_epochs(self) -> int:
-        """As the static loader's; every epoch counts as done once the schedule has ended (auto budget)."""
-        return sys.maxsize if self.finished else super().completed_epochs
+    def micro_batches_per_window(self) -> int:
+        return self.settings.adapt_every * self.shape.gradient_accumulation_steps
 
-    def prepare_epoch(self, epoch: int) -> np.ndarray:
-        raise TypeError("the adaptive schedule is built window by window while training: iterate the loader "
-                        "(or epoch_batches) instead of asking for a whole epoch")
+    def bind(self, read_batch: Callable[[Sequence[int]], Any]) -> None:
+        """How the loader collates samples into a batch (the probe set's forwards read it)."""
+        self._read_batch = read_batch
 
-    def start_epoch(self, epoch: int) -> None:
-        """The Trainer starts an epoch (its sampler's set_epoch): the next one, or the resumed one again."""
-        if self._placeholders and epoch == self.epoch:
-            return
-        if epoch != self.epoch:
-            self.epoch, self.position = int(epoch), 0
+    def locate(self, epoch: int, position: int, run_micro: int) -> tuple[int, int]:
+        return divmod(run_micro, self.micro_batches_per_window)
 
-    def trainer_resumes(self) -> None:
-        """Trainer skips the resumed epoch's first micro-batches itself: hand it as many placeholders first."""
-        self._placeholders = self.position
+    def trainable(self) -> np.ndarray:
+        return np.sort(np.concatenate(self.pools)) if self.pools else np.zeros(0, dtype=np.int64)
 
-    def trainer_batches(self) -> Iterator[list[int]]:
-        return self.epoch_batches()
-
-    def epoch_batches(self) -> Iterator[list[int]]:
-        """The sample indices of this rank's micro-batches for the rest of the current epoch, window by window
-        (collective at every window start: call on every rank in step)."""
-        if self.position >= self.micro_batches_per_epoch:
-            self.epoch, self.position = self.epoch + 1, 0
-        while self._placeholders:
-            self._placeholders -= 1
-            yield [0] * self.plan.micro_batch_size
-        while self.position < self.micro_batches_per_epoch and not self.finished:
-            window = self._run_micro // self.shape.gradient_accumulation_steps // self.settings.adapt_every
-            if window != self._window or self._schedule is None:
-                self._start_window(window)
-                if self.finished:
-                    return
-            indices = self._schedule[self._run_micro - self._window_first_micro].tolist()
-            self._run_micro += 1
-            self.position += 1
-            yield indices
-
-    def __iter__(self) -> Iterator[Any]:
-        for indices in self.epoch_batches():
-            yield self.collate_fn([self.dataset[index] for index in indices])
-
-    def record_losses(self, sample_index: Any, losses: Any) -> None:
-        """Hand over the per-sample losses of one micro-batch (each sample's mean response-token loss): the
-        figures the next window's shares come from. `weighted_causal_lm_loss` does it through the hook and the
-        Trainers; a training loop with its own loss calls this once per micro-batch."""
-        indices, values = loss_arrays(sample_index, losses)
-        self.figures.add(indices, values)
-        clusters = self.plan.labels[indices]
-        num_clusters = self.plan.num_clusters
-        np.add.at(self._local, clusters, to_fixed_point(values))
-        np.add.at(self._local, num_clusters + clusters, 1)
-
-    def current_shares(self) -> Optional[list[float]]:
-        """Each cluster's sampling share in the window being drawn."""
-        return [float(share) for share in self._origin["shares"]]
+    def shares(self) -> Optional[list[float]]:
+        return [float(share) for share in self.state.shares]
 
     def cooldown_steps(self) -> Optional[tuple[int, int]]:
-        """(first step, end step) of the auto budget's cool-down once every cluster has stopped, else None: what
-        `lr_schedules.warmup_stable_decay` reads to take the learning rate to 0 at the run's end."""
-        cooldown = self._origin.get("cooldown")
+        cooldown = self.state.cooldown
         return None if cooldown is None else (int(cooldown["start"]), int(cooldown["end"]))
 
+    @property
+    def cooldown_fraction(self) -> Optional[float]:
+        return self.settings.cooldown if self.settings.auto and self.settings.cooldown > 0 else None
+
+    def consumed(self) -> np.ndarray:
+        """Distinct samples of each cluster drawn so far (a pool is used up before any sample repeats)."""
+        streams = self._drawn.streams_after if self._drawn is not None else self.state.streams
+        sizes = np.array([pool.size for pool in self.pools])
+        drawn = np.array([passes * size + position for (passes, position), size in zip(streams, sizes)])
+        return np.minimum(drawn, sizes).astype(np.int64)
+
     # ------------------------------------------------------------ windows
+    def open(self, index: int, tally: ClusterTally) -> Optional[Block]:
+        """Collective: close the window before (its figures, the rule, auto stopping, the log line), then draw
+        window `index`; None once the run has ended."""
+        self._start_log()
+        if self._mark is None:
+            self._mark = tally.snapshot()
+        if 0 <= self.window < index:
+            if self._drawn is None:  # a window restored from a checkpoint: its draw gives the streams after it
+                self._drawn = self._draw(self.state)
+            self.state = self._next_state(self._close(tally))
+            if self.finished:
+                return None
+        self.window = index
+        self._drawn = self._draw(self.state)
+        quotas = batch_quotas(self._drawn.draws, self.shape.global_batch_size)
+        layout = Stratified().rank_layout(self._drawn.members, quotas, self.shape, self.rank)
+        per_cluster = WEIGHTINGS.get_rule(self.settings.weighting).cluster_weights(
+            self.plan.cluster_sizes, self._drawn.draws.astype(np.float64), self.settings.temperature)
+        weights = np.zeros(self.plan.num_samples, dtype=np.float32)
+        for cluster, taken in enumerate(self._drawn.members):
+            weights[taken] = per_cluster[cluster]
+        return Block(index, layout.reshape(-1, self.plan.micro_batch_size), weights)
+
     def _has_pool(self) -> np.ndarray:
         return np.array([pool.size > 0 for pool in self.pools])
 
-    def _start_window(self, window: int) -> None:
-        """Close the window before (its figures, the rule, auto stopping, the log line), then draw this one."""
-        if not self._log_ready:
-            self._log_ready = True
-            if self.collectives.rank == 0 and self.settings.log_path:
-                Path(self.settings.log_path).parent.mkdir(parents=True, exist_ok=True)
-                Path(self.settings.log_path).write_text("")
-        if window > self._window >= 0 and self._schedule is not None:
-            self._origin = self._next_origin(self._close_window())
-            if self.finished:
-                return
-        self._window = window
-        self._window_first_micro = window * self.settings.adapt_every * self.shape.gradient_accumulation_steps
-        shares = np.asarray(self._origin["shares"], dtype=np.float64)
-        draws = window_draws(shares, self.settings.adapt_every * self.shape.global_batch_size)
-        members, streams = [], [list(stream) for stream in self._origin["streams"]]
+    def _draw(self, state: WindowState) -> _Draw:
+        draws = window_draws(np.asarray(state.shares, dtype=np.float64),
+                             self.settings.adapt_every * self.shape.global_batch_size)
+        members, streams = [], [list(stream) for stream in state.streams]
         for cluster, count in enumerate(draws.tolist()):
             taken, streams[cluster] = _draw(self.pools[cluster], self.plan.seed, cluster, streams[cluster], count)
             members.append(taken)
-        self._streams_after = streams
-        quotas = batch_quotas(draws, self.shape.global_batch_size)
-        self._schedule = Stratified().rank_layout(members, quotas, self.shape, self.rank).reshape(
-            -1, self.plan.micro_batch_size)
-        per_cluster = _window_weights(self.settings, self.plan.cluster_sizes, draws)
-        weights = np.zeros(self.plan.num_samples, dtype=np.float32)
-        for cluster, taken in enumerate(members):
-            weights[taken] = per_cluster[cluster]
-        self.dataset.weights = weights
-        if self.loss_reduction == "token":
-            self.dataset.normalizers = self._token_normalizers(self._schedule)
+        return _Draw(members, draws, streams)
 
-    def _token_normalizers(self, schedule: np.ndarray) -> np.ndarray:
-        if self._token_counts is None:
-            pool = np.concatenate(self.pools) if self.pools else np.zeros(0, dtype=np.int64)
-            self._token_counts = response_token_counts(self.dataset.dataset, np.sort(pool), self.plan.num_samples)
-        return super()._token_normalizers(schedule)
+    def _start_log(self) -> None:
+        if self._log_ready:
+            return
+        self._log_ready = True
+        if self.collectives.rank == 0 and self.settings.log_path:
+            Path(self.settings.log_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.settings.log_path).write_text("")
 
-    def _close_window(self) -> WindowFigures:
-        """Collective: the finished window's figures, summed over the ranks, checked to be the same on all."""
-        num_clusters = self.plan.num_clusters
-        total = np.asarray(self.collectives.sum(self._local), dtype=np.int64) + self._carried
-        self._local[:] = 0
-        self._carried[:] = 0
-        if int(total[num_clusters:].sum()) == 0:
+    def _close(self, tally: ClusterTally) -> WindowFigures:
+        """Collective: the finished window's figures, summed over the ranks."""
+        assert self._mark is not None
+        total = np.asarray(self.collectives.sum(tally.since(self._mark)), dtype=np.int64) + self._carried
+        self._mark = tally.snapshot()
+        self._carried = np.zeros_like(self._carried)
+        if int(total[self.plan.num_clusters:].sum()) == 0:
             raise RuntimeError(
-                f"the adaptive schedule received no per-sample losses in window {self._window}: use "
+                f"the adaptive schedule received no per-sample losses in window {self.window}: use "
                 "ds_cluster.weighted_causal_lm_loss for the loss (and engine.backward on what it returns), or hand "
                 "each micro-batch's losses over with loader.record_losses(batch['sample_index'], losses)")
-        probe = self._probe_figures()
-        return WindowFigures(total[:num_clusters], total[num_clusters:],
-                             None if probe is None else probe[:num_clusters],
-                             None if probe is None else probe[num_clusters:])
+        return WindowFigures.of(total, self._probe_figures())
 
     def _probe_figures(self) -> Optional[np.ndarray]:
-        """Collective: the probe set's per-cluster loss sums (fixed point) and counts, every rank a share of it."""
-        if self.probe.size == 0 or self.probe_losses is None:
+        """Collective: the probe set's per-cluster tally (fixed point sums, counts), every rank a share of it."""
+        if self.probe.size == 0 or self.probe_losses is None or self._read_batch is None:
             return None
-        num_clusters, world, micro = self.plan.num_clusters, self.collectives.world_size, self.plan.micro_batch_size
+        world, micro = self.collectives.world_size, self.plan.micro_batch_size
         mine = self.probe[self.collectives.rank::world]
         per_rank = -(-self.probe.size // world)
-        local = np.zeros(2 * num_clusters, dtype=np.int64)
+        probe_tally = ClusterTally(self.plan.labels, self.plan.num_clusters)
         for start in range(0, per_rank, micro):  # every rank runs as many forwards (ZeRO-3 gathers in step)
             chunk = mine[start:start + micro]
             real = chunk.size
             chunk = np.concatenate([chunk, np.full(min(micro, per_rank - start) - real, self.probe[0])]).astype(int)
-            batch = self.collate_fn([self.dataset[int(index)] for index in chunk])
-            losses = np.asarray(self.probe_losses(batch).detach().float().cpu(), dtype=np.float64)[:real]
-            clusters = self.plan.labels[chunk[:real]]
-            np.add.at(local, clusters, to_fixed_point(losses))
-            np.add.at(local, num_clusters + clusters, 1)
-        return np.asarray(self.collectives.sum(local), dtype=np.int64)
+            losses = self.probe_losses(self._read_batch(chunk.tolist()))
+            probe_tally.add(chunk[:real], np.asarray(losses.detach().float().cpu(), dtype=np.float64)[:real])
+        return np.asarray(self.collectives.sum(probe_tally.totals), dtype=np.int64)
 
-    def _next_origin(self, figures: WindowFigures) -> dict[str, Any]:
-        """The next window's origin: the rule's shares over the clusters still drawn; one log line (rank 0)."""
-        origin = self._origin
-        stopped = np.asarray(origin["stopped"], dtype=bool)
-        best = np.array([np.nan if b is None else b for b in origin["best"]], dtype=np.float64)
-        stale = np.asarray(origin["stale"], dtype=np.int64)
-        cooldown = origin.get("cooldown")
-        steps_done = (self._window + 1) * self.settings.adapt_every
+    def _next_state(self, figures: WindowFigures) -> WindowState:
+        """The next window's state: the rule's shares over the clusters still drawn; one log line (rank 0)."""
+        state = self.state
+        stopped = np.asarray(state.stopped, dtype=bool)
+        best = np.array([np.nan if b is None else b for b in state.best], dtype=np.float64)
+        stale = np.asarray(state.stale, dtype=np.int64)
+        cooldown = state.cooldown
+        steps_done = (self.window + 1) * self.settings.adapt_every
         if self.settings.auto and cooldown is None:
             best, stale, stopped = auto_stop(best, stale, stopped, figures.tracked_loss, self.settings.tolerance,
                                              self.settings.patience)
         active = self._has_pool() & ~stopped
-        shares, rule_state = np.asarray(origin["shares"], dtype=np.float64), origin["rule_state"]
+        shares, rule_state = np.asarray(state.shares, dtype=np.float64), state.rule_state
         if cooldown is not None:  # cooling down: the natural shares, until its end
             self.finished = steps_done >= cooldown["end"]
         elif not active.any() and self.settings.cooldown > 0:
             # Every cluster has stopped: a last stretch over all of them (none forgotten) while the LR decays.
-            windows = max(1, math.ceil(self.settings.cooldown * (self._window + 1)))
+            windows = max(1, math.ceil(self.settings.cooldown * (self.window + 1)))
             cooldown = {"start": steps_done, "end": steps_done + windows * self.settings.adapt_every}
             shares = _active_shares(self.natural, self._has_pool())
         elif not active.any():
             self.finished = True
         else:
-            shares, rule_state = self.rule.update(origin["rule_state"], figures, self.natural, active,
-                                                  self._window + 1, self.settings.exploration)
+            shares, rule_state = self.rule.update(state.rule_state, figures, self.natural, active, self.window + 1,
+                                                  self.settings.exploration)
             shares = _with_maintenance(shares, self.natural, self._has_pool() & stopped, self.settings.maintenance)
         if self.finished:
             shares = np.zeros(self.plan.num_clusters)
         digest = hashlib.sha256(np.round(shares, 12).tobytes() + json.dumps(rule_state).encode()).hexdigest()[:16]
-        self.collectives.check_agreement((self._window, digest), f"adaptive schedule's shares after window "
-                                                                 f"{self._window}")
-        self._log(figures, shares, stopped, cooldown)
-        return {"shares": shares.tolist(), "rule_state": rule_state, "streams": self._streams_after,
-                "stopped": stopped.tolist(), "best": [None if np.isnan(b) else float(b) for b in best],
-                "stale": stale.tolist(), "cooldown": cooldown}
+        self.collectives.check_agreement((self.window, digest), f"adaptive schedule's shares after window "
+                                                                f"{self.window}")
+        assert self._drawn is not None
+        following = WindowState(shares.tolist(), rule_state, self._drawn.streams_after, stopped.tolist(),
+                                [None if np.isnan(b) else float(b) for b in best], stale.tolist(), cooldown)
+        self._log(figures, following)
+        return following
 
-    def consumed(self) -> np.ndarray:
-        """Distinct samples of each cluster drawn so far (a pool is used up before any sample repeats)."""
-        streams = getattr(self, "_streams_after", self._origin["streams"])
-        sizes = np.array([pool.size for pool in self.pools])
-        drawn = np.array([passes * size + position for (passes, position), size in zip(streams, sizes)])
-        return np.minimum(drawn, sizes)
-
-    def _log(self, figures: WindowFigures, shares: np.ndarray, stopped: np.ndarray,
-             cooldown: Optional[dict[str, int]]) -> None:
+    def _log(self, figures: WindowFigures, following: WindowState) -> None:
         if self.collectives.rank != 0 or not self.settings.log_path:
             return
         probe = figures.probe_loss
-        line = {"window": self._window, "step": (self._window + 1) * self.settings.adapt_every,
+        consumed = self.consumed()
+        line = {"window": self.window, "step": (self.window + 1) * self.settings.adapt_every,
                 "train_loss": _plain(figures.train_loss), "probe_loss": None if probe is None else _plain(probe),
-                "shares": shares.tolist(), "samples_consumed": self.consumed().tolist(),
-                "kept_fraction": float(self.consumed().sum() / self.plan.num_samples),
-                "stopped": np.flatnonzero(stopped).tolist(), "finished": self.finished}
-        if cooldown is not None:
-            line["cooldown"] = [cooldown["start"], cooldown["end"]]
+                "shares": following.shares, "samples_consumed": consumed.tolist(),
+                "kept_fraction": float(consumed.sum() / self.plan.num_samples),
+                "stopped": np.flatnonzero(following.stopped).tolist(), "finished": self.finished}
+        if following.cooldown is not None:
+            line["cooldown"] = [following.cooldown["start"], following.cooldown["end"]]
         with open(self.settings.log_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(line) + "\n")
 
     # ---------------------------------------------------------------- state
-    def state_dict(self, global_step: Optional[int] = None) -> dict[str, Any]:
+    def state_dict(self, tally: ClusterTally) -> dict[str, Any]:
         """Collective (the figures of the window so far are summed over the ranks): call on every rank."""
-        state = super().state_dict(global_step)
-        carried = np.asarray(self.collectives.sum(self._local), dtype=np.int64) + self._carried
-        state["adaptive"] = {"run_micro": self._run_micro, "window": self._window, "origin": self._origin,
-                             "carried": carried.tolist(), "finished": self.finished}
-        return state
+        since = tally.since(self._mark) if self._mark is not None else np.zeros_like(self._carried)
+        carried = np.asarray(self.collectives.sum(since), dtype=np.int64) + self._carried
+        return {"window": self.window, "origin": self.state.to_json(), "carried": carried.tolist(),
+                "finished": self.finished}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        saved = state.get("adaptive")
-        if saved is None:
+    def load_state_dict(self, state: Optional[dict[str, Any]], tally: ClusterTally) -> None:
+        if state is None:
             raise ValueError("the checkpoint's sampler state is a static schedule's, and this run's schedule is "
                              "adaptive: resume with the same cluster_sampling block")
-        self._run_micro, self._window = int(saved["run_micro"]), int(saved["window"])
-        self._window_first_micro = max(self._window, 0) * self.settings.adapt_every * \
-            self.shape.gradient_accumulation_steps
-        self._origin, self.finished = saved["origin"], bool(saved["finished"])
-        self._carried = np.asarray(saved["carried"], dtype=np.int64)
-        self._local[:] = 0
-        self._schedule = None  # redrawn from the origin at the next batch (not here: that may be collective)
-        self._window -= 1  # so that the next batch starts (redraws) the saved window without closing one
+        self.window = int(state["window"])
+        self.state = WindowState.from_json(state["origin"])
+        self.finished = bool(state["finished"])
+        self._carried = np.asarray(state["carried"], dtype=np.int64)
+        self._mark = tally.snapshot()
+        self._drawn = None  # redrawn from its state when the loader next opens a window (that may be collective)
         self._log_ready = True
         if self.collectives.rank == 0 and self.settings.log_path and Path(self.settings.log_path).exists():
             kept = [line for line in Path(self.settings.log_path).read_text().splitlines()
-                    if json.loads(line)["window"] < int(saved["window"])]
+                    if json.loads(line)["window"] < self.window]
             Path(self.settings.log_path).write_text("".join(line + "\n" for line in kept))
-
-
-def _window_weights(settings: AdaptiveSettings, cluster_sizes: np.ndarray, draws: np.ndarray) -> np.ndarray:
-    """Per-cluster loss weights of a window: the weighting rule on the natural sizes and the window's draws."""
-    return WEIGHTINGS.get_rule(settings.weighting).cluster_weights(cluster_sizes, draws.astype(np.float64),
-                                                                   settings.temperature)
 
 
 def _with_maintenance(shares: np.ndarray, natural: np.ndarray, stopped: np.ndarray, maintenance: float
@@ -363,7 +313,7 @@ def _active_shares(natural: np.ndarray, active: np.ndarray) -> np.ndarray:
     return shares / shares.sum()
 
 
-def _probe_and_pools(plan: Plan, settings: AdaptiveSettings) -> tuple[np.ndarray, list[np.ndarray]]:
+def _probe_and_pools(plan: Plan, settings: ScheduleSettings) -> tuple[np.ndarray, list[np.ndarray]]:
     """The probe set (probe_size of every cluster, seeded, never trained on) and each cluster's training pool
     (its selected samples, or all of its samples), sorted."""
     taking_part = np.flatnonzero(plan.labels >= 0)
@@ -395,3 +345,26 @@ def _draw(pool: np.ndarray, seed: int, cluster: int, stream: list[int], count: i
         if position == pool.size:
             passes, position = passes + 1, 0
     return (np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)), [passes, position]
+
+
+# ------------------------------------------------------------------ 0.5.0's names
+class AdaptiveSettings:
+    """0.5.0's settings of the adaptive schedule: `ScheduleSettings`, derived as `config.stages().schedule`."""
+
+    @staticmethod
+    def from_config(config: Any) -> ScheduleSettings:
+        warnings.warn("AdaptiveSettings.from_config(config) is config.stages().schedule since 0.6.0",
+                      DeprecationWarning, stacklevel=2)
+        return config.stages().schedule
+
+
+def AdaptiveDataLoader(dataset: Any, plan: Plan, rank: int, settings: Any, *,  # noqa: N802 (0.5.0's class name)
+                       collectives: Collectives = LOCAL, collate_fn: Any = None,
+                       probe_losses: Optional[ProbeLosses] = None) -> Any:
+    """0.5.0's adaptive loader: now `ClusterDataLoader` with an `AdaptiveSchedule` (docs/changes.md)."""
+    from ds_cluster.loader.sampler import ClusterDataLoader
+
+    warnings.warn("AdaptiveDataLoader is ClusterDataLoader(dataset, plan, rank, schedule=AdaptiveSchedule(...)) "
+                  "since 0.6.0", DeprecationWarning, stacklevel=2)
+    schedule = AdaptiveSchedule(plan, rank, settings, collectives=collectives, probe_losses=probe_losses)
+    return ClusterDataLoader(dataset, plan, rank, schedule=schedule, collate_fn=collate_fn, collectives=collectives)

@@ -1,8 +1,8 @@
 """Per-cluster figures for the user's dashboard: each cluster's mean training loss since the last report, the
-samples of each cluster trained so far, and (with the adaptive schedule) the window's sampling shares. The loader
-counts what `record_losses` hands it; an integration sums the counts over the data-parallel ranks at its report
-cadence (DeepSpeed's monitor at every optimizer step, the Trainer's `log`) and names the figures with
-`figure_events`. Plain numpy: the sum is passed in.
+samples of each cluster trained so far, and (with the adaptive schedule) the window's sampling shares. They read
+the loader's one tally of what `record_losses` hands it (`planning.tally.ClusterTally`); an integration sums them
+over the data-parallel ranks at its report cadence (DeepSpeed's monitor at every optimizer step, the Trainer's
+`log`) and names the figures with `figure_events`. Plain numpy: the sum is passed in.
 """
 from __future__ import annotations
 
@@ -10,41 +10,37 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from ds_cluster.planning.tally import ClusterTally, mean_losses
+
 # How the figures are named in a monitor (TensorBoard groups by the slashes; the CSV monitor writes one file per
 # name, headed by the last part).
 EVENT_PREFIX = "Train/Samples/ds_cluster"
 
 
 class ClusterFigures:
-    """Counts since the last `report`: per cluster, the summed per-sample training loss and the number of
-    samples; and the samples of each cluster reported so far (since the job started)."""
+    """A monitor's reading of the loader's tally: per cluster, the mean training loss since the last `report`, and
+    the samples of each cluster reported so far (since the job started)."""
 
-    def __init__(self, labels: np.ndarray, num_clusters: int) -> None:
-        self.labels = np.asarray(labels)
-        self.num_clusters = int(num_clusters)
-        self._loss_sums = np.zeros(self.num_clusters, dtype=np.float64)
-        self._counts = np.zeros(self.num_clusters, dtype=np.float64)
+    def __init__(self, tally: ClusterTally) -> None:
+        self.tally = tally
+        self.num_clusters = tally.num_clusters
+        self._mark = tally.snapshot()
         self.samples_trained = np.zeros(self.num_clusters, dtype=np.int64)  # summed over the ranks
 
     def add(self, sample_index: np.ndarray, losses: np.ndarray) -> None:
-        """One micro-batch's per-sample losses (each sample's mean response-token loss) on this rank."""
-        clusters = self.labels[np.asarray(sample_index, dtype=np.int64).reshape(-1)]
-        np.add.at(self._loss_sums, clusters, np.asarray(losses, dtype=np.float64).reshape(-1))
-        np.add.at(self._counts, clusters, 1.0)
+        """One micro-batch's per-sample losses on this rank (into the tally; the loader's `record_losses` does it)."""
+        self.tally.add(sample_index, losses)
 
     def report(self, sum_over_ranks: Callable[[np.ndarray], np.ndarray]) -> dict[str, list]:
         """Collective (every data-parallel rank calls it): the figures since the last report, over all ranks.
 
         Returns {"train_loss": per cluster mean loss (None for a cluster not trained since), "samples": per
-        cluster samples trained so far}. Resets the loss sums.
+        cluster samples trained so far}.
         """
-        totals = np.asarray(sum_over_ranks(np.concatenate([self._loss_sums, self._counts])), dtype=np.float64)
-        sums, counts = totals[:self.num_clusters], totals[self.num_clusters:]
-        self._loss_sums[:] = 0.0
-        self._counts[:] = 0.0
-        self.samples_trained += np.rint(counts).astype(np.int64)
-        return {"train_loss": [float(s / c) if c > 0 else None for s, c in zip(sums, counts)],
-                "samples": self.samples_trained.tolist()}
+        totals = np.asarray(sum_over_ranks(self.tally.since(self._mark)), dtype=np.int64)
+        self._mark = self.tally.snapshot()
+        self.samples_trained += totals[self.num_clusters:]
+        return {"train_loss": mean_losses(totals), "samples": self.samples_trained.tolist()}
 
 
 def _named_figures(figures: dict[str, list], shares: Optional[Sequence[float]]) -> list[tuple[str, float]]:

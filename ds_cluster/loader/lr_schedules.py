@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Optional
-
-from ds_cluster.config import ClusterSamplingConfig
+import warnings
+from typing import Any, Callable, Optional
 
 
 def warmup_cosine(total_steps: Callable[[], int], warmup_fraction: float) -> Callable[[int], float]:
@@ -48,20 +47,31 @@ def warmup_stable_decay(total_steps: Callable[[], int], warmup_fraction: float, 
     return factor
 
 
-def run_schedule(cluster_sampling: Optional[Mapping[str, Any]], total_steps: Callable[[], int],
-                 warmup_fraction: float, loader: Callable[[], Any]) -> Callable[[int], float]:
-    """The LambdaLR factor of a run: `warmup_cosine` to the run's last step, or, for an automatic budget with a
-    cool-down (`auto_cooldown`, its default included), `warmup_stable_decay` over the cool-down that the
-    loader (`loader()`: None until deepspeed.initialize has built it) announces."""
-    block = cluster_sampling or {}
-    cooldown = 0.0
-    if block.get("budget_ratio") == "auto":
-        cooldown = float(ClusterSamplingConfig.from_dict({**block, "enabled": True}).auto_cooldown)
-    if cooldown <= 0:
-        return warmup_cosine(total_steps, warmup_fraction)
+def run_lr_schedule(total_steps: Callable[[], int], warmup_fraction: float,
+                    loader: Callable[[], Any]) -> Callable[[int], float]:
+    """The LambdaLR factor of a run: `warmup_cosine` to the run's last step or, when the loader's schedule may end
+    the run itself with a cool-down (the auto budget with `auto_cooldown` > 0: `ClusterDataLoader.cooldown_fraction`),
+    `warmup_stable_decay` over the cool-down it announces. `loader()`: the loader, None until deepspeed.initialize
+    has built it (the factor of step 0, which LambdaLR reads then, is the warm-up's either way)."""
+    cosine = warmup_cosine(total_steps, warmup_fraction)
+    chosen: dict[str, Callable[[int], float]] = {}
 
-    def announced() -> Optional[tuple[int, int]]:
+    def factor(step: int) -> float:
         built = loader()
-        return None if built is None else built.cooldown_steps()
-    # The auto budget decides its end while training: constant LR until then, linear to 0 over its cool-down.
-    return warmup_stable_decay(total_steps, warmup_fraction, cooldown / (1 + cooldown), announced)
+        if built is None:
+            return cosine(step)
+        if "factor" not in chosen:
+            cooldown = built.cooldown_fraction
+            # The auto budget decides its end while training: constant LR until then, linear to 0 over its cool-down.
+            chosen["factor"] = cosine if not cooldown else warmup_stable_decay(
+                total_steps, warmup_fraction, cooldown / (1 + cooldown), lambda: built.cooldown_steps())
+        return chosen["factor"](step)
+    return factor
+
+
+def run_schedule(cluster_sampling: Any, total_steps: Callable[[], int], warmup_fraction: float,
+                 loader: Callable[[], Any]) -> Callable[[int], float]:
+    """0.5.0's `run_lr_schedule`, which read the block: the loader's schedule says it now."""
+    warnings.warn("run_schedule(block, ...) is run_lr_schedule(total_steps, warmup_fraction, loader) since 0.6.0",
+                  DeprecationWarning, stacklevel=2)
+    return run_lr_schedule(total_steps, warmup_fraction, loader)

@@ -16,7 +16,8 @@ Clusters are shuffled inside themselves every epoch from (seed, epoch).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, Optional
+import warnings
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 
@@ -200,8 +201,8 @@ def shuffled_members(members: list[np.ndarray], seed: int, epoch: int) -> list[n
     return [group[rng.permutation(group.size)] for group in members]
 
 
-def epoch_schedule(members: list[np.ndarray], allocation: Allocation, shape: BatchShape, *, seed: int, epoch: int,
-                   quotas: np.ndarray, rank: Optional[int] = None) -> np.ndarray:
+def epoch_layout(members: list[np.ndarray], allocation: Allocation, shape: BatchShape, *, seed: int, epoch: int,
+                 quotas: np.ndarray, rank: Optional[int] = None) -> np.ndarray:
     """Sample indices of one epoch: int64 (steps, world, accumulation, micro), or one rank's
     (steps, accumulation, micro) when `rank` is given (only that part is built: O(N / W) memory).
 
@@ -212,3 +213,9 @@ def epoch_schedule(members: list[np.ndarray], allocation: Allocation, shape: Bat
     if rank is None:
         return allocation.layout(shuffled, quotas, shape)
     return allocation.rank_layout(shuffled, quotas, shape, rank)
+
+
+def epoch_schedule(*args: Any, **kwargs: Any) -> np.ndarray:
+    """0.5.0's name of `epoch_layout`."""
+    warnings.warn("epoch_schedule is epoch_layout since 0.6.0", DeprecationWarning, stacklevel=2)
+    return epoch_layout(*args, **kwargs)

@@ -12,23 +12,23 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
 from ds_cluster.batching import BatchShape
-from ds_cluster.clustering.kmeans import (ClusterResult, cluster_by_config, cluster_from_labels, spread_to_all,
+from ds_cluster.clustering.kmeans import (ClusterResult, cluster_from_labels, cluster_with, spread_to_all,
                                           validate_features)
 from ds_cluster.fileio import replace_dir, staging_dir, write_json_atomic, write_npy_atomic
-from ds_cluster.planning.allocation import ALLOCATIONS, Allocation, cluster_members, epoch_schedule
+from ds_cluster.planning.allocation import ALLOCATIONS, Allocation, cluster_members, epoch_layout
 from ds_cluster.planning.budget import BUDGETS, cluster_budgets, cluster_spreads
 from ds_cluster.planning.selection import SELECTIONS, UNIFORM, select_in_clusters
 from ds_cluster.planning.weights import sample_weights
+from ds_cluster.settings import ClusteringSettings, StageSettings, stages_of
 
-if TYPE_CHECKING:  # the config sits above the planning floor: it validates against the registries here
-    from ds_cluster.config import ClusterSamplingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -102,17 +102,29 @@ class Plan:
             self._quotas = self.allocation_rule.quotas(self.kept_sizes, self.batch_shape)
         return self._quotas
 
-    def schedule(self, epoch: int) -> np.ndarray:
+    def epoch_layout(self, epoch: int) -> np.ndarray:
         """Sample indices of one epoch: int64 (steps, world_size, gradient_accumulation_steps, micro_batch_size)."""
-        return epoch_schedule(self._cluster_members(), self.allocation_rule, self.batch_shape, seed=self.seed, epoch=epoch,
-                              quotas=self.quotas())
+        return epoch_layout(self._cluster_members(), self.allocation_rule, self.batch_shape, seed=self.seed,
+                            epoch=epoch, quotas=self.quotas())
 
-    def rank_schedule(self, epoch: int, rank: int) -> np.ndarray:
-        """One rank's part of `schedule(epoch)`: int64 (steps, accumulation, micro), built alone (O(N / W))."""
+    def rank_layout(self, epoch: int, rank: int) -> np.ndarray:
+        """One rank's part of `epoch_layout(epoch)`: int64 (steps, accumulation, micro), built alone (O(N / W))."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the plan's world size {self.world_size}")
-        return epoch_schedule(self._cluster_members(), self.allocation_rule, self.batch_shape, seed=self.seed, epoch=epoch,
-                              quotas=self.quotas(), rank=rank)
+        return epoch_layout(self._cluster_members(), self.allocation_rule, self.batch_shape, seed=self.seed,
+                            epoch=epoch, quotas=self.quotas(), rank=rank)
+
+    def schedule(self, epoch: int) -> np.ndarray:
+        """0.5.0's name of `epoch_layout`."""
+        warnings.warn("Plan.schedule(epoch) is Plan.epoch_layout(epoch) since 0.6.0", DeprecationWarning,
+                      stacklevel=2)
+        return self.epoch_layout(epoch)
+
+    def rank_schedule(self, epoch: int, rank: int) -> np.ndarray:
+        """0.5.0's name of `rank_layout`."""
+        warnings.warn("Plan.rank_schedule(epoch, rank) is Plan.rank_layout(epoch, rank) since 0.6.0",
+                      DeprecationWarning, stacklevel=2)
+        return self.rank_layout(epoch, rank)
 
     def _cluster_members(self) -> list:
         if self._members is None:
@@ -224,7 +236,7 @@ class Plan:
 
 def build_plan(
     features: Optional[np.ndarray],
-    config: ClusterSamplingConfig,
+    config: Any,
     *,
     world_size: int,
     micro_batch_size: int,
@@ -243,13 +255,18 @@ def build_plan(
     tokens); they get label -1 and weight 0. distances (N,) and centroids
     (K, d), with labels: the clustering's own (an analysis records k-means'
     centres and each sample's distance to its centre); without them the
-    centres are the member means. Long because every input is checked here,
+    centres are the member means. `config`: the `cluster_sampling` block
+    (a ClusterSamplingConfig) or its `StageSettings`; the plan reads the
+    clustering and selection settings, and records every stage's
+    (`StageSettings.plan_record`). Long because every input is checked here,
     once, before the stages run.
     """
+    stages: StageSettings = stages_of(config)
+    chosen = stages.selection
     shape = BatchShape(world_size, micro_batch_size, gradient_accumulation_steps)
-    allocation = ALLOCATIONS.get_rule(config.allocation)
-    budget = BUDGETS.get_rule(config.budget_mode)
-    selection = SELECTIONS.get_rule(config.selection)
+    allocation = ALLOCATIONS.get_rule(chosen.allocation)
+    budget = BUDGETS.get_rule(chosen.budget_mode)
+    selection = SELECTIONS.get_rule(chosen.selection)
     num_samples, points = _check_inputs(features, labels, exclude)
     if distances is not None and (labels is None or np.asarray(distances).shape != (num_samples,)):
         raise ValueError(f"distances must come with labels and have shape ({num_samples},)")
@@ -257,13 +274,13 @@ def build_plan(
     if selection.reads_features and points is None and has_geometry:
         raise ValueError(f"selection '{selection.name}' needs the features themselves, and there are none "
                          "(no features.npy in the analysis); use 'peripheral', 'spread' or 'random'")
-    clusters, participating_rows = _clusters(points, labels, exclude, num_samples, config, world_size, distances,
-                                             centroids)
+    clusters, participating_rows = _clusters(points, labels, exclude, num_samples, stages.clustering, world_size,
+                                             distances, centroids)
     num_clusters = clusters.num_clusters
     full_labels, distances = spread_to_all(clusters, participating_rows, num_samples)
     cluster_sizes = np.bincount(clusters.labels, minlength=num_clusters).astype(np.int64)
     kept_sizes = cluster_budgets(
-        cluster_sizes, budget, config.planned_ratio, config.budget_samples,
+        cluster_sizes, budget, chosen.planned_ratio, chosen.budget_samples,
         # Only a rule that reads them gets the spreads (0.1 to 0.3 s at N = 10M).
         cluster_spreads(clusters.distances, clusters.labels, num_clusters)
         if has_geometry and budget.needs_spreads else None,
@@ -279,14 +296,14 @@ def build_plan(
     selected = select_in_clusters(full_labels, kept_sizes, selection,
                                   distances=distances if has_geometry else None, norms=norms,
                                   features=points if selection.reads_rows else None,
-                                  seed=config.seed, dedup_similarity=config.dedup_similarity)
-    weights = sample_weights(full_labels, selected, cluster_sizes, kept_sizes, config.weighting,
-                             temperature=config.weight_temperature)
+                                  seed=chosen.seed, dedup_similarity=chosen.dedup_similarity)
+    weights = sample_weights(full_labels, selected, cluster_sizes, kept_sizes, chosen.weighting,
+                             temperature=chosen.weight_temperature)
 
     plan = Plan(labels=full_labels, centroids=clusters.centroids, distances=distances, selected=selected,
                 weights=weights, cluster_sizes=cluster_sizes, kept_sizes=kept_sizes, world_size=int(world_size),
                 micro_batch_size=int(micro_batch_size), gradient_accumulation_steps=int(gradient_accumulation_steps),
-                allocation=config.allocation, seed=config.seed, settings=config.plan_settings())
+                allocation=chosen.allocation, seed=chosen.seed, settings=stages.plan_record())
     if plan.steps_per_epoch < 1:
         raise ValueError(
             f"the kept subset ({plan.num_kept} samples, smallest cluster keeps {int(kept_sizes.min())}) is smaller "
@@ -298,7 +315,7 @@ def build_plan(
 
 
 def _clusters(points: Optional[np.ndarray], labels: Optional[np.ndarray], exclude: Optional[np.ndarray],
-              num_samples: int, config: ClusterSamplingConfig, world_size: int, distances: Optional[np.ndarray],
+              num_samples: int, clustering: ClusteringSettings, world_size: int, distances: Optional[np.ndarray],
               centroids: Optional[np.ndarray]) -> tuple[ClusterResult, np.ndarray]:
     """The clusters of the samples that take part (k-means, or the given labels), and which rows those are."""
     included = np.ones(num_samples, dtype=bool)
@@ -322,7 +339,7 @@ def _clusters(points: Optional[np.ndarray], labels: Optional[np.ndarray], exclud
         centres = (np.asarray(centroids, dtype=np.float32)[np.flatnonzero(np.bincount(taking_part) > 0)]
                    if centroids is not None else np.zeros((num_clusters, 0), np.float32))
         return ClusterResult(compact, centres, given if everyone else given[participating_rows]), participating_rows
-    return cluster_by_config(included_points, config, world_size), participating_rows
+    return cluster_with(included_points, clustering, world_size), participating_rows
 
 
 def _check_inputs(features: Optional[np.ndarray], labels: Optional[np.ndarray],

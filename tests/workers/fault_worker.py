@@ -73,7 +73,7 @@ def skew_shares() -> None:
     """This rank's adaptive rule returns shares a little off the others' (every rule, every window)."""
     import numpy as np
 
-    from ds_cluster.planning.schedule import ADAPTIVE_RULES
+    from ds_cluster.planning.shares import ADAPTIVE_RULES
 
     for rule in ADAPTIVE_RULES.values():
         original = type(rule).update
