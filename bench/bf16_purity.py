@@ -33,12 +33,12 @@ def main() -> int:
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
 
-    import deepspeed
     from sklearn.metrics import adjusted_rand_score
 
     from ds_cluster import distributed
     from ds_cluster.analysis.compute import analyze
     from ds_cluster.ds_config import forward_only_config
+    from ds_cluster.features.source import forward_only_engine
     from ds_cluster.config import ClusterSamplingConfig
     from ds_cluster.data.dataset import load_instruction_dataset
     from ds_cluster.data.models import load_model_and_tokenizer
@@ -53,7 +53,7 @@ def main() -> int:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         model, tokenizer = load_model_and_tokenizer(base_model_path(), ds_config=config, dtype=dtype)
         dataset = load_instruction_dataset(DEFAULT_DATA / "train.jsonl", tokenizer, max_length=96)
-        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine = forward_only_engine(model, config)
         for seed in args.seeds:
             settings = ClusterSamplingConfig.from_dict({"enabled": True, "num_clusters": args.clusters,
                                                         "capacity_factor": None, "seed": seed})

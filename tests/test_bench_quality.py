@@ -1,5 +1,6 @@
-"""The quality benchmark: end to end on a tiny mixture (one 2-rank DeepSpeed job, the gate, the report),
-the real-data arms' job spec, the near-duplicate arm's rule, and the gzipped data path.
+"""The quality benchmark (bench/quality.py and its harness, bench/harness/): end to end on a tiny mixture (one 2-rank
+DeepSpeed job, the gate, the report), the real-data arms' job spec, the typed arms against the spec's JSON, the
+near-duplicate arm's rule, and the gzipped data path.
 
 One epoch cannot pass the calibration gate, so the end-to-end test also checks the rule that matters
 most: a run that misses the gate says so and stops before any method comparison.
@@ -31,11 +32,21 @@ def _settings(argv: list[str]):
 
 
 def _spec(settings) -> dict:
-    from bench import quality
+    from bench.harness.builders import build_arms
+    from bench.harness.data import prepare_data
+    from bench.harness.launch import write_spec
 
-    data = quality.prepare_data(settings)
-    arms, analyses = quality.build_arms(settings, data)
-    return json.loads(Path(quality.write_spec(settings, data, arms, analyses)).read_text())
+    data = prepare_data(settings)
+    arms, analyses = build_arms(settings, data)
+    return json.loads(Path(write_spec(settings, data, arms, analyses)).read_text())
+
+
+def _arm(setting: str, seed: int, method: str = "random", fraction=0.3, analysis: str = "one_cluster", **fields):
+    """A typed arm for the summary's tests (its block and epochs as the builders would give them)."""
+    from bench.harness.arms import Arm
+
+    return Arm(name=f"{setting}_s{seed}", setting=setting, method=method, seed=seed, analysis=analysis,
+               fraction=fraction, cluster_sampling={"seed": seed}, epochs=2, **fields)
 
 
 def _real_slice(folder: Path, train_per_family: int = 40, heldout_per_family: int = 4) -> Path:
@@ -95,14 +106,16 @@ def test_base_model_flag_reaches_the_job_spec(tmp_path):
 def test_arms_flag_runs_only_the_named_arms_beside_full_data(tmp_path):
     """--arms random,recommended --no-ablations: full data and those arms on every seed and fraction, nothing else."""
     from bench import quality
+    from bench.harness.builders import build_arms
+    from bench.harness.data import prepare_data
 
     write_mixture(tmp_path / "data", seed=5, total=240, heldout_per_family=3)
     argv = ["--data", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work"),
             "--arms", "random,recommended", "--no-ablations"]
     settings = _settings(argv)
-    arms, _ = quality.build_arms(settings, quality.prepare_data(settings))
-    assert {arm["method"] for arm in arms} == {"full", "random", "recommended"}
-    assert len([arm for arm in arms if arm["method"] == "recommended"]) == len(settings.seeds) * len(settings.fractions)
+    arms, _ = build_arms(settings, prepare_data(settings))
+    assert {arm.method for arm in arms} == {"full", "random", "recommended"}
+    assert len([arm for arm in arms if arm.method == "recommended"]) == len(settings.seeds) * len(settings.fractions)
     with pytest.raises(SystemExit, match="oracel"):
         quality.settings_from_args(quality.parse_args(["--arms", "random,oracel"]), [])
 
@@ -112,28 +125,28 @@ def test_real_data_arms_job_spec(tmp_path):
     feature model, exact match on the label families, SmolLM2's arms only with its checkpoint."""
     from dataclasses import replace
 
-    from bench import quality
+    from bench.harness.data import categorical_families, prepare_data
+    from bench.harness.instrument import REAL_ARMS, SMOLLM2_FEATURE_MAX_LENGTH, with_feature_models
     from ds_cluster.data.dataset import read_jsonl
     from bench.real import STORIES260K_DIR, T0_DIR
 
     data = _real_slice(tmp_path / "t0")
     settings = _settings(["--data", str(data), "--work-dir", str(tmp_path / "work"), "--equal-steps"])
     assert settings.instrument == "real" and not settings.ablations
-    settings = quality.with_feature_models(replace(settings, arms=quality.REAL_ARMS, smollm2=tmp_path / "absent",
-                                                   skipped=()))
+    settings = with_feature_models(replace(settings, arms=REAL_ARMS, smollm2=tmp_path / "absent", skipped=()))
     assert "recommended_smollm2" not in settings.arms and "absent" in settings.skipped[0]  # skipped, with why
     spec = _spec(settings)
     assert spec["base_model"] == str(STORIES260K_DIR) and spec["gate"]["kind"] == "real"
     # Judged on the whole train file (a property of the family), not on the carved or sliced split.
-    assert spec["exact_match_families"] == quality.categorical_families(read_jsonl(data / "train.jsonl.gz"))
+    assert spec["exact_match_families"] == categorical_families(read_jsonl(data / "train.jsonl.gz"))
     # The rule on the shipped slice's whole training file: the three label families.
-    assert quality.categorical_families(read_jsonl(T0_DIR / "train.jsonl.gz")) == [
+    assert categorical_families(read_jsonl(T0_DIR / "train.jsonl.gz")) == [
         "paraphrase_identification", "sentiment", "topic_classification"]
     # A 7% slice (the SmolLM2 instrument's size) has a few underlying examples per free-text family, each answer
     # among its most frequent: judged on the slice, summaries and closed-book QA would pass for labels.
-    sliced = quality.prepare_data(replace(settings, data=T0_DIR, train_fraction=0.07, work_dir=tmp_path / "slice"))
-    assert sliced["exact_match_families"] == ["paraphrase_identification", "sentiment", "topic_classification"]
-    assert "summarization" in quality.categorical_families(read_jsonl(sliced["paths"]["train"]))
+    sliced = prepare_data(replace(settings, data=T0_DIR, train_fraction=0.07, work_dir=tmp_path / "slice"))
+    assert sliced.exact_match_families == ["paraphrase_identification", "sentiment", "topic_classification"]
+    assert "summarization" in categorical_families(read_jsonl(sliced.paths["train"]))
     assert spec["skipped"] == list(settings.skipped)
     arms = spec["arms"]
     assert [arm["name"] for arm in arms[:2]] == ["full_s0", "random_f0.3_s0"]  # the gate's arms first
@@ -159,8 +172,7 @@ def test_real_data_arms_job_spec(tmp_path):
     fake = tmp_path / "smollm2"
     fake.mkdir()
     (fake / "config.json").write_text("{}")
-    with_smollm2 = quality.with_feature_models(replace(settings, arms=quality.REAL_ARMS, smollm2=fake, skipped=(),
-                                                       equal_steps=False))
+    with_smollm2 = with_feature_models(replace(settings, arms=REAL_ARMS, smollm2=fake, skipped=(), equal_steps=False))
     spec = _spec(with_smollm2)
     smollm2_arms = [a for a in spec["arms"] if a["method"] == "recommended_smollm2"]
     assert len(smollm2_arms) == 8
@@ -168,11 +180,12 @@ def test_real_data_arms_job_spec(tmp_path):
     assert all(a["cluster_sampling"]["feature_kind"] == "proxy" for a in smollm2_arms)  # the candidate measured
     sources = {a["source"]: a for a in spec["analyses"].values() if a.get("source")}
     assert set(sources) == {"own", "smollm2"}
-    assert sources["smollm2"]["feature_max_length"] == quality.SMOLLM2_FEATURE_MAX_LENGTH
+    assert sources["smollm2"]["feature_max_length"] == SMOLLM2_FEATURE_MAX_LENGTH
 
 
 def test_gzipped_data_is_read_when_plain_is_absent(tmp_path):
-    from bench.quality import data_file
+    from bench.harness.data import prepare_data
+    from bench.harness.instrument import data_file
 
     folder = _real_slice(tmp_path / "data", train_per_family=2, heldout_per_family=1)
     assert data_file(folder, "train") == folder / "train.jsonl.gz"
@@ -181,10 +194,8 @@ def test_gzipped_data_is_read_when_plain_is_absent(tmp_path):
     with pytest.raises(FileNotFoundError, match="validation.jsonl.gz"):
         data_file(folder, "validation")
     settings = _settings(["--data", str(_real_slice(tmp_path / "gz")), "--work-dir", str(tmp_path / "work")])
-    from bench import quality
-
-    data = quality.prepare_data(settings)
-    assert data["num_train"] + sum(1 for _ in open(data["paths"]["validation"])) == 7 * 40
+    data = prepare_data(settings)
+    assert data.num_train + sum(1 for _ in open(data.paths["validation"])) == 7 * 40
 
 
 def test_near_duplicate_selection_is_deterministic_and_removes_exact_duplicates():
@@ -215,8 +226,9 @@ def test_near_duplicate_selection_is_deterministic_and_removes_exact_duplicates(
 
 
 def test_real_gate_and_time_to_target():
-    from bench.quality_gate import real_gate
-    from bench.quality_report import time_to_target
+    from bench.harness.gate import real_gate
+    from bench.harness.report import gate_text
+    from bench.harness.summary import time_to_target
 
     base = {"validation": {"loss": {"a": 4.0, "b": 6.0}}}
     curve = [{"epoch": 1, "loop": {"cpu": 10.0, "wall": 5.0}, "loss": {"a": 2.2, "b": 3.2}},
@@ -228,6 +240,7 @@ def test_real_gate_and_time_to_target():
     assert gate["checks"]["full_learns"]["passed"]  # 5.0 -> 2.5
     assert not gate["checks"]["full_plateau"]["passed"]  # 2.7 -> 2.5 is 7.4%
     assert gate["checks"]["random30_worse_than_full"]["passed"] and not gate["passed"]
+    assert gate_text(gate).splitlines()[0].startswith("calibration gate: FAILED (real instrument")
     # Target 2.5 + 0.05 x 2.5 = 2.625: the first epoch (2.7) misses it, the second reaches it.
     reached = time_to_target(full, base, full, {"cpu": 1.0, "wall": 1.0}, {"cpu": 2.0, "wall": 2.0})
     assert reached["reached"] and reached["epoch"] == 2 and reached["cpu"] == 23.0
@@ -235,7 +248,7 @@ def test_real_gate_and_time_to_target():
                               {"cpu": 0, "wall": 0})["reached"]
 
 
-# The real instrument's --ablations rows at 30% (bench/quality.py real_ablations): setting -> the random subset
+# The real instrument's --ablations rows at 30% (bench/harness/builders.py real_ablations): setting -> the random subset
 # that keeps its count (random_f0.3: the paper arm's count; random_as_SETTING: matched to its own clustering).
 REAL_ABLATION_ROWS = {
     "paper_f0.3_weighting-none": "random_f0.3",
@@ -253,12 +266,13 @@ RATIO_ROWS = {f"paper_budget_ratio-{r}": f"random_as_paper_budget_ratio-{r}" for
 
 
 def _kept(arm: dict, spec: dict, sizes: dict) -> int:
-    """The count an arm keeps once the job has resolved its match (bench/quality_job.py resolve_arm), with
+    """The count an arm keeps once the job has resolved its match (bench/harness/job.py resolve_arm), with
     `sizes` as every clustering's cluster sizes: a paper arm by its budget rule, any other by budget_samples."""
-    from bench.quality_job import resolve_arm
+    from bench.harness.arms import Arm
+    from bench.harness.job import resolve_arm
     from ds_cluster.planning.budget import cluster_budgets
 
-    block, _, kept = resolve_arm(arm, spec)
+    block, _, kept = resolve_arm(Arm.from_json(arm), spec)
     if arm["method"] != "paper":
         return kept
     return int(cluster_budgets(np.array(sizes[arm["analysis"]]), "min", block["budget_ratio"]).sum())
@@ -356,23 +370,25 @@ def test_synthetic_ablations_are_unchanged(tmp_path):
 def test_report_pairs_an_ablation_with_its_own_random_subset(tmp_path):
     """An arm naming a `baseline` is paired with that random subset, not with random_fF; the partner itself is
     no row of the minus-random table."""
-    from bench.quality_report import paired_table, summarize
+    from bench.harness.summary import summarize
+    from bench.harness.tables import paired_table
 
-    def result(arm: dict, loss: float) -> dict:
+    def result(arm, loss: float) -> dict:
         timing = {"wall": 1.0, "cpu": 2.0}
-        return {"arm": arm, "kept_fraction": 0.2, "steps": 10, "time": {"loop": timing, "evaluation": timing},
+        return {"arm": arm.to_json(), "kept_fraction": 0.2, "steps": 10, "time": {"loop": timing, "evaluation": timing},
                 "validation": {"loss": {"a": loss, "b": loss + 1.0}}}
 
     k4 = "paper_f0.3_num_clusters-4_allocation-stratified"
     partner = REAL_ABLATION_ROWS[k4]
     arms, results = [], {}
     for seed in (0, 1, 2):
-        for setting, method, loss, baseline in (("random_f0.3", "random", 3.0, None),
-                                                 (k4, "paper", 2.0 + seed, partner), (partner, "random", 2.5, partner)):
-            arm = {"name": f"{setting}_s{seed}", "setting": setting, "method": method, "seed": seed, "fraction": 0.3,
-                   "analysis": "one_cluster", "epochs": 2, **({"baseline": baseline} if baseline else {})}
+        for setting, method, loss, baseline, changes in (
+                ("random_f0.3", "random", 3.0, None, ()),
+                (k4, "paper", 2.0 + seed, partner, (("num_clusters", 4), ("allocation", "stratified"))),
+                (partner, "random", 2.5, partner, ())):
+            arm = _arm(setting, seed, method, baseline=baseline, changes=changes)
             arms.append(arm)
-            results[arm["name"]] = result(arm, loss)
+            results[arm.name] = result(arm, loss)
     summary = summarize(arms, results, tmp_path, "validation")
     assert summary["settings"][k4]["vs_random"]["loss_macro"]["mean"] == pytest.approx(0.5)  # 3.0 - 2.5, not - 3.0
     assert "vs_random" not in summary["settings"][partner]
@@ -424,7 +440,7 @@ def test_real_goals_judge_worst_group_neardup_and_the_other_fraction_by_their_in
     removal needs the whole interval below 0; the headline fraction alone needs macro strictly below random."""
     from types import SimpleNamespace
 
-    from bench.quality_goals import evaluate_goals
+    from bench.harness.goals import evaluate_goals
 
     def stat(mean, ci):
         return {"mean": mean, "ci": ci, "n": 4}
@@ -455,7 +471,8 @@ def test_real_goals_judge_worst_group_neardup_and_the_other_fraction_by_their_in
 def test_ablations_are_read_beside_the_papers_claims():
     """Each ablation is a paired difference over shared seeds, read as claimed, the opposite, within the noise, or
     identical (a change that left the subset as it was); a comparison missing a side is left out."""
-    from bench.quality_ablations import ablation_rows, ablation_table
+    from bench.harness.ablations import ablation_rows
+    from bench.harness.tables import ablation_table
 
     losses = {  # setting -> macro held-out loss per seed (two families: loss and loss + 1)
         "paper_f0.3": [2.0, 2.1, 2.2, 2.3],
@@ -469,9 +486,9 @@ def test_ablations_are_read_beside_the_papers_claims():
     arms, results = [], {}
     for setting, per_seed in losses.items():
         for seed, loss in enumerate(per_seed):
-            arm = {"name": f"{setting}_s{seed}", "setting": setting, "seed": seed}
+            arm = _arm(setting, seed)
             arms.append(arm)
-            results[arm["name"]] = {"arm": arm, "heldout": {"loss": {"a": loss, "b": loss + 1.0}}}
+            results[arm.name] = {"arm": arm.to_json(), "heldout": {"loss": {"a": loss, "b": loss + 1.0}}}
     by_first_second = {(row["first"], row["second"]): row for row in ablation_rows(arms, results, "heldout", 0.3)}
     weighting = by_first_second[("paper_f0.3", "paper_f0.3_weighting-none")]
     assert weighting["loss_macro"]["mean"] == pytest.approx(-0.2) and weighting["reading"] == "as claimed"
@@ -492,17 +509,16 @@ def test_ablations_are_read_beside_the_papers_claims():
 def test_each_arm_is_charged_the_start_up_of_the_job_that_trained_it(tmp_path):
     """A run resumed by a later job (equal steps, ablations) keeps the figures of the arms it did not retrain:
     each arm carries its own job's start-up; an arm without one is charged the work folder's."""
-    from bench.quality_report import summarize
+    from bench.harness.summary import summarize
 
     (tmp_path / "startup.json").write_text(json.dumps({"cpu": 50.0, "wall": 40.0}))
     arms, results = [], {}
     for setting, method, fraction, loop_cpu, startup in (("full", "full", None, 100.0, {"cpu": 20.0, "wall": 10.0}),
                                                           ("random_f0.3", "random", 0.3, 30.0, None)):
-        arm = {"name": f"{setting}_s0", "setting": setting, "method": method, "seed": 0, "fraction": fraction,
-               "analysis": "one_cluster", "epochs": 2}
+        arm = _arm(setting, 0, method, fraction)
         timing = {"wall": loop_cpu / 2, "cpu": loop_cpu}
         arms.append(arm)
-        results[arm["name"]] = {"arm": arm, "kept_fraction": fraction or 1.0, "steps": 10,
+        results[arm.name] = {"arm": arm.to_json(), "kept_fraction": fraction or 1.0, "steps": 10,
                                 "time": {"loop": timing, "evaluation": timing},
                                 "validation": {"loss": {"a": 1.0}}, **({"startup": startup} if startup else {})}
     summary = summarize(arms, results, tmp_path, "validation")
@@ -514,17 +530,18 @@ def test_each_arm_is_charged_the_start_up_of_the_job_that_trained_it(tmp_path):
 def test_each_feature_source_is_reported_with_its_cost_share_and_purity(tmp_path):
     """The results file gives every feature source's selection cost as a share of full data's run on the same
     seed, and its k-means purity against the task groups, from the analyses the arms read."""
-    from bench.quality_report import feature_source_table, feature_sources, summarize
+    from bench.harness.summary import feature_sources, summarize
+    from bench.harness.tables import feature_source_table
 
     (tmp_path / "startup.json").write_text(json.dumps({"cpu": 20.0, "wall": 10.0}))
     arms, results = [], {}
-    for setting, analysis, source, purity in (("full", "one_cluster", None, None),
-                                              ("recommended_f0.3", "k_own", "own", 0.5),
-                                              ("recommended_small_f0.3", "k_small", "small", 0.75)):
-        arm = {"name": f"{setting}_s0", "setting": setting, "method": setting.split("_f")[0], "seed": 0,
-               "fraction": None if setting == "full" else 0.3, "analysis": analysis, "epochs": 3}
+    for setting, method, analysis, source, purity in (("full", "full", "one_cluster", None, None),
+                                                      ("recommended_f0.3", "recommended", "k_own", "own", 0.5),
+                                                      ("recommended_small_f0.3", "recommended_small", "k_small",
+                                                       "small", 0.75)):
+        arm = _arm(setting, 0, method, None if setting == "full" else 0.3, analysis, source=source or "own")
         arms.append(arm)
-        results[arm["name"]] = {"arm": arm, "kept_fraction": 1.0, "steps": 10,
+        results[arm.name] = {"arm": arm.to_json(), "kept_fraction": 1.0, "steps": 10,
                                 "time": {"loop": {"cpu": 180.0, "wall": 90.0}, "evaluation": {"cpu": 1.0, "wall": 1.0}},
                                 "validation": {"loss": {"a": 1.0}}}
         if source:
@@ -535,8 +552,8 @@ def test_each_feature_source_is_reported_with_its_cost_share_and_purity(tmp_path
                                                           "cluster_cpu": 1.0, "source": source}))
             (folder / "summary.json").write_text(json.dumps({"purity": purity, "num_clusters": 8}))
     summary = summarize(arms, results, tmp_path, "validation")
-    costs = {arm["analysis"]: json.loads((tmp_path / "analyses" / arm["analysis"] / "cost.json").read_text())
-             for arm in arms if arm["analysis"] != "one_cluster"}
+    costs = {arm.analysis: json.loads((tmp_path / "analyses" / arm.analysis / "cost.json").read_text())
+             for arm in arms if arm.analysis != "one_cluster"}
     rows = {row["source"]: row for row in feature_sources(tmp_path, arms, summary, costs, {"own": "m/smollm2"})}
     # Full data's whole run: 20 start-up + 180 loop CPU s.
     assert rows["own"]["share_of_full"] == pytest.approx(40.0 / 200.0) and rows["own"]["purity"] == 0.5
@@ -548,9 +565,7 @@ def test_the_smollm2_instrument_runs_its_chosen_recipe_and_names_each_mode_apart
     """--model smollm2: the recipe that passed its gate (bench/candidates.json's first SmolLM2 candidate), the
     arms its issue asks for, and a results file of its own per mode (a gate or quick run never overwrites the
     grid's)."""
-    from bench import quality
-
-    declared = json.loads((Path(quality.REPO) / "bench" / "candidates.json").read_text())["smollm2_recipes"]
+    declared = json.loads((REPO / "bench" / "candidates.json").read_text())["smollm2_recipes"]
     first = next(block for name, block in declared.items() if not name.startswith("_"))
     work = ["--work-dir", str(tmp_path / "work")]
     settings = _settings(["--model", "smollm2", *work])
@@ -565,11 +580,12 @@ def test_the_smollm2_instrument_runs_its_chosen_recipe_and_names_each_mode_apart
 
 
 def test_a_chat_record_of_the_benchmark_keeps_its_metadata_prompt_and_reference_answer():
-    from bench import near_duplicates, quality
+    from bench import near_duplicates
+    from bench.harness.data import to_chat_record
 
     record = {"instruction": "Is this review positive?", "input": "A fine film.", "output": "yes",
               "family": "sentiment", "example_id": "x1"}
-    chat = quality.to_chat_record(record)
+    chat = to_chat_record(record)
     assert chat["messages"] == [{"role": "user", "content": "Is this review positive?\nA fine film."},
                                 {"role": "assistant", "content": "yes"}]
     assert (chat["family"], chat["example_id"], chat["output"]) == ("sentiment", "x1", "yes")
@@ -578,7 +594,11 @@ def test_a_chat_record_of_the_benchmark_keeps_its_metadata_prompt_and_reference_
 
 
 def test_the_overhead_choice_runs_its_declared_list_and_only_picks_a_setting_under_the_limit(tmp_path):
-    from bench.quality_report import adaptive_choice_lines
+    from bench.harness.choice import choose
+    from bench.harness.report import choice_lines
+
+    def adaptive_choice_lines(*arguments) -> list[str]:  # the declared rule's decision, as the report writes it
+        return choice_lines(choose(*arguments))
 
     settings = _settings(["--choose-overhead", "--work-dir", str(tmp_path)])
     declared = json.loads((REPO / "bench" / "candidates.json").read_text())["adaptive_overhead"]
@@ -599,10 +619,18 @@ def test_the_overhead_choice_runs_its_declared_list_and_only_picks_a_setting_und
     assert "**none**" in lines[2] and "not met" in lines[2]
     # Without a limit the rule is the earlier one: the lowest loss.
     assert "**slow**" in adaptive_choice_lines(summary, candidates, 0.3)[2]
+    # The rule itself returns its decision and the figures it read, no text.
+    decision = choose(summary, candidates, 0.3, shares, 0.01).fixed
+    assert decision is not None and decision.chosen == "fast" and decision.shares == pytest.approx(
+        {"fast": 0.0085, "slow": 0.02, "cheaper": 0.0045}) and decision.losses["slow"] == 1.8
 
 
 def test_the_auto_overhead_choice_takes_the_fastest_cheap_candidate_within_the_noise_of_full_data(tmp_path):
-    from bench.quality_report import adaptive_choice_lines
+    from bench.harness.choice import choose
+    from bench.harness.report import choice_lines
+
+    def adaptive_choice_lines(*arguments) -> list[str]:  # the declared rule's decision, as the report writes it
+        return choice_lines(choose(*arguments))
 
     settings = _settings(["--choose-auto-overhead", "--work-dir", str(tmp_path)])
     assert settings.results_name == "quality_choose_auto_overhead" and settings.overhead_limit == 0.01
@@ -620,19 +648,20 @@ def test_the_auto_overhead_choice_takes_the_fastest_cheap_candidate_within_the_n
     # fast_worse is above full data beyond the noise and costly over 1%: the faster of the other two.
     lines = adaptive_choice_lines(summary, candidates, 0.3, shares, 0.01)
     assert "**level**" in lines[2]
+    assert choose(summary, candidates, 0.3, shares, 0.01).auto.chosen == "level"
     lines = adaptive_choice_lines(summary, candidates, 0.3, {**shares, "level": [0.02], "level_slower": [0.03]}, 0.01)
     assert "**none**" in lines[2] and "not met" in lines[2]
 
 
 def test_the_overhead_report_pairs_each_candidate_with_the_first_declared_over_the_same_seeds():
-    from bench.quality_report import against_first_candidate
+    from bench.harness.report import against_first_candidate_lines as against_first_candidate
+    from bench.harness.summary import against_first_candidate as differences_from_the_first
 
     def result(macro_shift: float) -> dict:
         return {"validation": {"loss": {"a": 1.0 + macro_shift, "b": 2.0 + macro_shift}, "exact_match": {"a": 0.5}}}
 
     candidates = {"base": {}, "cheap": {}, "auto_one": {"budget_ratio": "auto"}}
-    arms = [{"name": f"{kind}_f0.3_s{seed}", "setting": f"{kind}_f0.3", "seed": seed}
-            for kind in ("base", "cheap") for seed in (0, 1)]
+    arms = [_arm(f"{kind}_f0.3", seed, kind, candidate=kind) for kind in ("base", "cheap") for seed in (0, 1)]
     # cheap is 0.1 and 0.3 above base on seeds 0 and 1: a paired mean of +0.2 whatever the seeds' own levels.
     results = {"base_f0.3_s0": result(0.0), "base_f0.3_s1": result(5.0),
                "cheap_f0.3_s0": result(0.1), "cheap_f0.3_s1": result(5.3)}
@@ -640,5 +669,79 @@ def test_the_overhead_report_pairs_each_candidate_with_the_first_declared_over_t
     assert "minus the first declared (base_f0.3)" in lines[0]
     row = next(line for line in "\n".join(lines).splitlines() if line.startswith("| cheap_f0.3 "))
     assert row.split("|")[2].strip() == "2" and row.split("|")[3].strip().startswith("0.200")
+    differences = differences_from_the_first(arms, results, candidates, 0.3, "validation")
+    assert differences["base"] == "base_f0.3"
+    assert differences["settings"]["cheap_f0.3"]["vs_first"]["loss_macro"]["mean"] == pytest.approx(0.2)
     # One candidate alone has nothing to be paired with.
     assert against_first_candidate(arms[:2], results, candidates, 0.3, "validation") == []
+    assert differences_from_the_first(arms[:2], results, candidates, 0.3, "validation") is None
+
+
+def _frozen_case(name: str, tmp_path: Path) -> tuple[list, list]:
+    """tests/fixtures/quality_arms.json's arms of one spec (built by the harness before its arms were typed), and
+    the arms the harness builds for the same flags now, paths as the fixture writes them."""
+    from dataclasses import replace
+
+    from bench.harness.builders import build_arms
+    from bench.harness.data import prepare_data
+
+    frozen = json.loads((REPO / "tests" / "fixtures" / "quality_arms.json").read_text())[name]
+    if name == "real":
+        data = _real_slice(tmp_path / "t0")
+    else:
+        data = tmp_path / "toy"
+        write_mixture(data, seed=5, total=240, heldout_per_family=3)
+    argv = [str(data) if value in ("T0", "TOY") else value for value in frozen["argv"]]
+    settings = replace(_settings(argv + ["--work-dir", str(tmp_path / "work")]), features_cache=tmp_path / "cache")
+    arms, _ = build_arms(settings, prepare_data(settings))
+    built = json.loads(json.dumps([arm.to_json() for arm in arms], default=str).replace(str(REPO), "REPO"))
+    return frozen["arms"], built
+
+
+@pytest.mark.parametrize("name", ["real", "synthetic"])
+def test_every_built_arm_is_the_dict_the_spec_held_before_arms_were_typed(name, tmp_path):
+    """to_json of every arm, keys in their order, is what the untyped harness wrote in spec.json (one real spec
+    with every kind of arm and the ablations, one synthetic); from_json reads it back to the same arm."""
+    from bench.harness.arms import Arm
+
+    frozen, built = _frozen_case(name, tmp_path)
+    assert [arm["name"] for arm in built] == [arm["name"] for arm in frozen]
+    for now, before in zip(built, frozen):
+        assert json.dumps(now) == json.dumps(before), now["name"]  # same keys in the same order, same values
+    for arm in frozen:
+        assert Arm.from_json(arm).to_json() == arm and list(Arm.from_json(arm).to_json()) == list(arm)
+
+
+def test_an_arm_round_trips_through_its_json_and_carries_what_it_was_built_as(tmp_path):
+    """Arm.from_json(arm.to_json()) == arm for every built arm; the partners the summary pairs a setting with come
+    from the typed fields (method, fraction, stretch, baseline, changes), never from the name."""
+    from bench.harness.arms import Arm
+    from bench.harness.builders import build_arms
+    from bench.harness.data import prepare_data
+    from bench.harness.summary import partners
+
+    data = _real_slice(tmp_path / "t0")
+    settings = _settings(["--data", str(data), "--work-dir", str(tmp_path / "work"), "--seeds", "1", "--ablations",
+                          "--equal-steps", "--arms", "full_cut,random,paper,recommended,neardup,adaptive,auto"])
+    arms, analyses = build_arms(settings, prepare_data(settings))
+    for arm in arms:
+        assert Arm.from_json(arm.to_json()) == arm
+        assert Arm.from_json(json.loads(json.dumps(arm.to_json()))).to_json() == arm.to_json()
+    for analysis in analyses.values():
+        assert type(analysis).from_json(analysis.to_json()) == analysis
+    by_setting = {arm.setting: arm for arm in arms}
+    assert by_setting["paper_f0.3_weighting-none"].changes == (("weighting", "none"),)
+    assert by_setting["recommended_steps_f0.3"].stretch and by_setting["adaptive_f0.3"].cut
+    found = partners(arms)
+    assert found["recommended_f0.3"] == type(found["recommended_f0.3"])(
+        random="random_f0.3", neardup="neardup_f0.3", full_cut="full_cut_f0.3", recommended=None)
+    assert found["recommended_steps_f0.3"].random == "random_steps_f0.3"
+    assert found["recommended_steps_f0.3"].neardup is None and found["recommended_steps_f0.3"].full_cut is None
+    # The adaptive schedule against the static preset, not its ablation row (which changes its loss reduction).
+    assert found["adaptive_f0.3"].recommended == "recommended_f0.3"
+    assert found["recommended_f0.3_loss_reduction-sample"].random == "random_f0.3"
+    k8 = "paper_f0.3_num_clusters-8_allocation-stratified"
+    assert found[k8].random == f"random_as_{k8}" and found[f"random_as_{k8}"].random == f"random_as_{k8}"
+    assert found["paper_budget_ratio-0.25"].random == "random_as_paper_budget_ratio-0.25"
+    assert found["full"] == type(found["full"])(None, None, None, None) and found["auto"].random is None
+

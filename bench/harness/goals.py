@@ -1,4 +1,5 @@
-"""The goals the benchmark judges (held-out split, as measured; a goal not reached is reported as not met).
+"""The goals the benchmark judges (a declared rule; held-out split, as measured; a goal not reached is reported as
+not met). Each row is the goal, whether it is met and the figures it read.
 
 For ds_cluster's recommended preset at every kept fraction of the run (30% to 50%), with the
 paper preset and the recommended preset on SmolLM2's features (when run) judged the same way beside it:
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.harness.arms import setting_name
+
 TIME_RATIO_MAX = 0.40
 EXACT_MATCH_GAP_MAX = 0.01
 IMPROVEMENT_KEPT_MIN = 0.95
@@ -32,13 +35,14 @@ AUTO_TIME_RATIO_MAX = 0.5
 
 
 def evaluate_goals(summary: dict, settings: Any) -> list[dict]:
+    """Every goal the summary's settings can be judged on: {"goal", "met", "measured"} per row."""
     settings_summary = summary["settings"]
     full = settings_summary.get("full")
     rows = []
     time_goal = getattr(settings, "time_goal", TIME_RATIO_MAX)
     for method in ("recommended", "recommended_small", "recommended_smollm2", "paper"):
         for fraction in settings.fractions:
-            entry = settings_summary.get(f"{method}_f{fraction:g}")
+            entry = settings_summary.get(setting_name(method, fraction))
             if entry is None or full is None:
                 continue
             label = f"{method.replace('_smollm2', ' (SmolLM2 features)').replace('_small', ' (small feature model)')}"\
@@ -98,7 +102,7 @@ def _improvement_kept(label: str, entry: dict, full: dict, base: Any) -> list[di
 def _adaptive_goals(settings_summary: dict, settings: Any) -> list[dict]:
     rows = []
     for fraction in settings.fractions:
-        entry = settings_summary.get(f"adaptive_f{fraction:g}")
+        entry = settings_summary.get(setting_name("adaptive", fraction))
         if entry:
             label = f"adaptive schedule at the {fraction:.0%} subsets' step count"
             rows += _below("full data stopped at the same step count (full_cut)", label, entry.get("vs_full_cut"))

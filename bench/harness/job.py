@@ -1,0 +1,385 @@
+"""What runs inside the quality benchmark's one DeepSpeed job (bench/quality_job.py): every arm trained and
+evaluated in one launch.
+
+One process start-up serves every arm (its cost is measured once and charged to each arm, as a real
+run would pay one). First the base model is evaluated (WORK/base.json; the synthetic instrument also
+runs its copy probe). Then the analyses: features are extracted once per feature model (the trained
+model's own, with a forward-only engine; a separate feature model's through `feature_model`, re-encoding the
+data with its tokenizer: `ds_cluster.features.source.feature_source`), and every k-means analysis clusters them
+with its own settings and seed; an arm is charged in full for the extraction and the clustering it reads. Per arm:
+a fresh copy of the base model, `ds_cluster.initialize` with the arm's cluster_sampling block (ZeRO-2, 2 ranks,
+torch AdamW), a warmup + cosine learning rate that ends at the arm's own last step (`run_lr_schedule`), the
+library's training loop (`train_loop`) with validation answer loss after every epoch (its time kept out of the
+training loop's), then answer-token loss per family and greedy exact match on the label families, on the
+validation and held-out splits (records shared out over the ranks). Each finished arm writes WORK/arms/NAME.json;
+a rerun skips finished arms. The calibration gate is checked after its arms and the job stops, saying so, when it
+fails.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import torch
+
+from bench.harness.arms import Analysis, Arm
+from bench.harness.evaluation import Clock, barrier, copy_probe, evaluate, exists_on_rank0, summed
+from bench.harness.gate import calibration_gate
+from bench.harness.report import gate_text
+from ds_cluster import distributed
+from ds_cluster.data.dataset import InstructionDataset, read_jsonl, trim_padding_collate
+from ds_cluster.fileio import write_json_atomic
+from ds_cluster.planning.selection import SELECTIONS
+
+
+def analysis_of(spec: Mapping[str, Any], name: str) -> Analysis:
+    return Analysis.from_json(spec["analyses"][name])
+
+
+# --------------------------------------------------------------------------- analyses
+def ensure_features(analysis: Analysis, spec: Mapping[str, Any], train: InstructionDataset) -> dict[str, Any]:
+    """Extract one feature model's features of the training data once (collective); its cost from its record."""
+    from ds_cluster.analysis.compute import analyze
+    from ds_cluster.config import ClusterSamplingConfig
+    from ds_cluster.features.source import feature_source
+
+    record = Path(analysis.path) / "cost.json"
+    if not exists_on_rank0(record):
+        clock = Clock()
+        # The clustering of this folder is not used (every k-means analysis clusters these features itself).
+        block = {**(analysis.cluster_sampling or {}), "num_clusters": 1, "kmeans_n_init": 1, "enabled": True}
+        if analysis.source != "own":  # a separate feature model: the source re-encodes the data with its tokenizer
+            block.update(feature_model=analysis.model, feature_max_length=analysis.feature_max_length)
+        stages = ClusterSamplingConfig.from_dict(block).stages()
+        with feature_source(stages.features, train, ds_config=spec["ds_config"], model=analysis.model) as source:
+            summary = analyze(source.engine, source.dataset, analysis.path, stages, batch_size=16,
+                              show_progress=False, provenance={"feature_model": analysis.model},
+                              collectives=distributed.collectives(), analysis_of=train)
+            cost = summed(clock.read())  # the engine's tear-down is not the extraction's
+        cost.update(extract_wall=summary["timings_s"]["extract"], source=analysis.source, model=analysis.model)
+        if distributed.get_rank() == 0:
+            write_json_atomic(record, cost)
+        barrier()
+    return json.loads(record.read_text())
+
+
+def ensure_clustering(analysis: Analysis, features: Mapping[str, Any], train: InstructionDataset) -> dict[str, Any]:
+    """k-means of a feature analysis with this analysis's settings and seed, on rank 0; its cost is the
+    extraction's plus its own (collective). `features`: the feature analysis's entry and cost."""
+    record = Path(analysis.path) / "cost.json"
+    if not exists_on_rank0(record):
+        error: Optional[BaseException] = None
+        if distributed.get_rank() == 0:
+            try:
+                _cluster(analysis, features, train, record)
+            except (ValueError, OSError, RuntimeError) as err:
+                error = err
+        distributed.agree_on_error(error, f"clustering {analysis.path}")
+    return json.loads(record.read_text())
+
+
+def _cluster(analysis: Analysis, features: Mapping[str, Any], train: InstructionDataset, record: Path) -> None:
+    """Rank 0's k-means of `features` into the analysis folder, and its cost record."""
+    from ds_cluster.analysis.folder import AnalysisDir
+    from ds_cluster.clustering.kmeans import category_counts, cluster_with, purity, spread_to_all
+    from ds_cluster.config import ClusterSamplingConfig
+    from ds_cluster.data.dataset import dataset_fingerprint
+
+    clock = Clock()
+    config = ClusterSamplingConfig.from_dict({**(analysis.cluster_sampling or {}), "enabled": True})
+    stages = config.stages()
+    source = Path(features["path"])
+    points = np.load(source / "features.npy")
+    empty = np.load(source / "empty_mask.npy")
+    rows = np.flatnonzero(~empty)
+    world = distributed.get_world_size()
+    clusters = cluster_with(points[rows], stages.clustering, world)
+    labels, distances = spread_to_all(clusters, rows, len(train))
+    num_clusters = stages.clustering.resolved_num_clusters(world)
+    names, counts = category_counts(labels, train.categories, num_clusters)
+    arrays = {"labels.npy": labels, "distances.npy": distances, "empty_mask.npy": empty,
+              "centroids.npy": np.asarray(clusters.centroids, dtype=np.float32)}
+    if analysis.keep_features or SELECTIONS[stages.selection.selection].reads_features:
+        arrays["features.npy"] = points
+    own = clock.read()
+    summary = {"num_samples": len(train), "num_clusters": num_clusters,
+               "cluster_sizes": np.bincount(clusters.labels, minlength=num_clusters).tolist(),
+               "purity": purity(counts), "cluster_categories": [
+                   {name: int(count) for name, count in zip(names, row) if count} for row in counts],
+               "timings_s": {"cluster": own["wall"]}, "features": features["source"]}
+    manifest = {"dataset_fingerprint": dataset_fingerprint(train), "features": str(source),
+                "feature_model": features.get("model"), "cluster_sampling": config.model_dump()}
+    AnalysisDir(analysis.path).write(arrays, manifest, summary)
+    write_json_atomic(record, {
+        "wall": features["wall"] + own["wall"], "cpu": features["cpu"] + own["cpu"],
+        "extract_wall": features["extract_wall"], "extract_cpu": features["cpu"],
+        "cluster_wall": own["wall"], "cluster_cpu": own["cpu"], "source": features["source"]})
+
+
+def materialize_near_duplicates(analysis: Analysis, kept: int, num_samples: int) -> None:
+    """The near-duplicate arm's subset as labels (0 kept, -1 left out), written once by rank 0 (collective)."""
+    from bench.near_duplicates import select_kept
+
+    folder = Path(analysis.path)
+    if not exists_on_rank0(folder / "labels.npy"):
+        error: Optional[BaseException] = None
+        if distributed.get_rank() == 0:
+            try:
+                groups_folder = Path(str(analysis.near_duplicates))
+                groups = np.load(groups_folder / "groups.npy")
+                if groups.size != num_samples:
+                    raise ValueError(f"{analysis.near_duplicates}: {groups.size} groups for {num_samples} samples")
+                labels = np.full(num_samples, -1, dtype=np.int64)
+                labels[select_kept(groups, kept, analysis.seed)] = 0
+                folder.mkdir(parents=True, exist_ok=True)
+                # The groups' cost (computed once per mixture) is charged to every near-duplicate arm.
+                write_json_atomic(folder / "cost.json", json.loads((groups_folder / "cost.json").read_text()))
+                np.save(folder / "labels.npy", labels)
+            except (ValueError, OSError) as err:
+                error = err
+        distributed.agree_on_error(error, f"the near-duplicate subset {folder}")
+
+
+def ensure_analyses(arm: Arm, spec: Mapping[str, Any], train: InstructionDataset) -> None:
+    """The features and clusterings an arm reads (its match's and its own), computed when an arm first needs them:
+    the gate's arms run before a feature model's extraction."""
+    for name in (arm.match.analysis if arm.match else None), arm.analysis:
+        if name not in spec["analyses"]:
+            continue
+        analysis = analysis_of(spec, name)
+        if analysis.features:
+            features = spec["analyses"][analysis.features]
+            cost = ensure_features(Analysis.from_json(features), spec, train)
+            ensure_clustering(analysis, {**features, **cost}, train)
+
+
+# --------------------------------------------------------------------------- one arm
+def resolve_arm(arm: Arm, spec: Mapping[str, Any]) -> tuple[dict, Optional[int], Optional[int]]:
+    """The arm's cluster_sampling block with its budget matched to the paper arm's kept size, its fixed step
+    count (None: its epochs), and the kept size.
+
+    The paper arm keeps floor(r x smallest cluster) per cluster; r is set so that it keeps about the
+    arm's fraction of the data, and every other arm of that fraction keeps exactly as many samples.
+    """
+    block, steps, kept = dict(arm.cluster_sampling), arm.steps, None
+    global_batch = (spec["ds_config"]["train_micro_batch_size_per_gpu"] * distributed.get_world_size()
+                    * spec["ds_config"].get("gradient_accumulation_steps", 1))
+    if arm.match:
+        summary = json.loads((Path(spec["analyses"][arm.match.analysis]["path"]) / "summary.json").read_text())
+        sizes = summary["cluster_sizes"]
+        if arm.match.budget_ratio is not None:  # r itself, as budget_mode "min" keeps it: floor(r x smallest) each
+            per_cluster = math.floor(arm.match.budget_ratio * min(sizes) + 1e-9)
+        else:
+            per_cluster = min(min(sizes), round(arm.match.fraction * sum(sizes)) // len(sizes))
+        kept = per_cluster * len(sizes)
+        if arm.method == "paper":
+            block["budget_ratio"] = per_cluster / min(sizes)
+        elif arm.cut:
+            steps = arm.epochs * (kept // global_batch)
+        else:
+            block["budget_samples"] = kept
+    if arm.stretch:
+        steps = arm.epochs * (spec["num_train"] // global_batch)  # full data's step count
+    return block, steps, kept
+
+
+class _Training:
+    """What the training loop's hooks record: the learning rate at a few steps, and the validation loss after every
+    epoch the run goes on from, its time kept out of the loop's."""
+
+    def __init__(self, engine: Any, loader: Any, total_steps: int, tokenizer: Any, spec: Mapping[str, Any],
+                 validation: list[dict]) -> None:
+        self.engine, self.loader, self.total_steps = engine, loader, total_steps
+        self.tokenizer, self.spec, self.validation = tokenizer, spec, validation
+        self.learning_rates: dict[int, float] = {}
+        self.curve: list[dict[str, Any]] = []
+        self.evaluating = {"wall": 0.0, "cpu": 0.0}  # validation during training: evaluation, not training
+        self.clock = Clock()
+
+    def loop_so_far(self) -> dict[str, float]:
+        """The loop's time so far over the ranks, validation left out (collective)."""
+        now = self.clock.read()
+        return summed({kind: now[kind] - self.evaluating[kind] for kind in ("wall", "cpu")})
+
+    def after_step(self, step: int) -> None:
+        if step in (1, self.total_steps // 2, self.total_steps - 1, self.total_steps):
+            self.learning_rates[step] = self.engine.get_lr()[0]
+
+    def after_epoch(self, step: int) -> None:
+        during = Clock()
+        loss = evaluate(self.engine.module, self.tokenizer, self.validation, self.spec, [])["loss"]
+        spent = during.read()
+        self.evaluating = {kind: self.evaluating[kind] + spent[kind] for kind in ("wall", "cpu")}
+        self.curve.append({"epoch": step / self.loader.plan.steps_per_epoch, "step": step,
+                           "loop": self.loop_so_far(), "loss": loss})
+        self.engine.train()
+
+    def run(self) -> Any:
+        """The library's loop to the step cap, or until the auto budget ends the run (`loader.finished`)."""
+        from ds_cluster.integrations.loop import LoopHooks, train_loop
+
+        self.clock = Clock()
+        self.engine.train()
+        return train_loop(self.engine, self.loader, epochs=sys.maxsize, max_steps=self.total_steps,
+                          hooks=LoopHooks(after_step=self.after_step, after_epoch=self.after_epoch))
+
+
+def _initialize(arm: Arm, spec: Mapping[str, Any], train: InstructionDataset) -> tuple[Any, Any, dict, int, dict]:
+    """A fresh copy of the base model under `ds_cluster.initialize` with the arm's resolved block: (engine, loader,
+    block, total steps, set-up time)."""
+    import ds_cluster
+    from ds_cluster.data.models import load_model_and_tokenizer
+    from ds_cluster.loader.lr_schedules import run_lr_schedule
+
+    torch.manual_seed(arm.seed)
+    model, _ = load_model_and_tokenizer(spec["base_model"])
+    config = json.loads(json.dumps(spec["ds_config"]))
+    config["optimizer"]["params"]["lr"] = spec["learning_rate"]
+    block, fixed_steps, kept = resolve_arm(arm, spec)
+    analysis = analysis_of(spec, arm.analysis)
+    if analysis.near_duplicates:
+        materialize_near_duplicates(analysis, kept, len(train))
+    block["analysis_path"] = analysis.path
+    if block.get("schedule") == "adaptive":
+        block["schedule_log"] = str(Path(spec["work_dir"]) / "arms" / f"{arm.name}.schedule.jsonl")
+    config["data_efficiency"]["data_sampling"]["cluster_sampling"] = {**block, "enabled": True}
+    steps = {"total": 0}
+    made: dict[str, Any] = {}  # the loader, once ds_cluster.initialize has built it
+    schedule = run_lr_schedule(lambda: steps["total"], spec["warmup_fraction"], lambda: made.get("loader"))
+    clock = Clock()
+    engine, _, loader, _ = ds_cluster.initialize(
+        model=model, model_parameters=model.parameters(), training_data=train, config=config,
+        collate_fn=trim_padding_collate,
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
+    made["loader"] = loader
+    steps["total"] = fixed_steps or arm.epochs * loader.plan.steps_per_epoch
+    return engine, loader, block, steps["total"], clock.read()
+
+
+def run_arm(arm: Arm, spec: Mapping[str, Any], train: InstructionDataset, tokenizer: Any,
+            splits: dict[str, list[dict]]) -> dict[str, Any]:
+    """Train one arm from the base model and evaluate it (collective)."""
+    load_before = os.getloadavg()
+    engine, loader, block, total_steps, set_up = _initialize(arm, spec, train)
+    plan = loader.plan
+    training = _Training(engine, loader, total_steps, tokenizer, spec, splits["validation"])
+    looped = training.run()
+    loop = training.loop_so_far()
+    clock = Clock()
+    evaluation = {split: evaluate(engine.module, tokenizer, records, spec, spec["exact_match_families"])
+                  for split, records in splits.items()}
+    evaluated = clock.read()
+    curve = training.curve + [{"epoch": engine.global_steps / plan.steps_per_epoch, "step": engine.global_steps,
+                               "loop": loop, "loss": evaluation["validation"]["loss"]}]
+    # The adaptive schedule keeps what it drew (a sample counts once); the static plan what it selected.
+    kept = int(loader.consumed().sum())
+    result = {
+        "arm": arm.to_json(), "cluster_sampling": block, "steps": engine.global_steps, "num_kept": kept,
+        "num_samples": plan.num_samples, "kept_fraction": kept / plan.num_samples,
+        "kept_sizes": plan.kept_sizes.tolist(), "steps_per_epoch": plan.steps_per_epoch, "plan": plan.fingerprint(),
+        "time": {"setup": summed(set_up), "loop": loop, "evaluation": summed(evaluated),
+                 "validation_during_training": summed(training.evaluating),
+                 "loader_wall": max(distributed.all_gather_object(looped.loader_wall))},
+        "first_losses": looped.losses[:4], "last_losses": looped.losses[-4:], "validation_curve": curve,
+        "validation_loss_per_epoch": [point["loss"] for point in curve],
+        "learning_rate_at_step": training.learning_rates,
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        **evaluation,
+    }
+    del engine, loader, training
+    gc.collect()
+    return result
+
+
+# --------------------------------------------------------------------------- the job
+def checked_gate(work: Path, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The calibration gate's decision and its text, as WORK/gate.json holds them."""
+    decision = calibration_gate(work, dict(spec))
+    return {**decision, "text": gate_text(decision)}
+
+
+def _evaluate_base(model: Any, tokenizer: Any, splits: dict[str, list[dict]], spec: Mapping[str, Any],
+                   work: Path) -> None:
+    """WORK/base.json: the base model on every split (and the synthetic copy probe), once (collective)."""
+    base_path = work / "base.json"
+    if exists_on_rank0(base_path):
+        return
+    clock = Clock()
+    base = {split: evaluate(model, tokenizer, records, spec, spec["exact_match_families"])
+            for split, records in splits.items()}
+    base["time"] = summed(clock.read())
+    if spec["instrument"] == "synthetic":
+        base["copy_probe"] = {"exact_match": copy_probe(model, tokenizer, spec), "records": spec["copy_probe_records"]}
+    if distributed.get_rank() == 0:
+        write_json_atomic(base_path, base)
+        print(f"base model: validation macro answer loss "
+              f"{np.mean(list(base['validation']['loss'].values())):.4f}", flush=True)
+    barrier()
+
+
+def _run_arms(spec: Mapping[str, Any], train: InstructionDataset, tokenizer: Any, splits: dict[str, list[dict]],
+              startup: dict[str, float]) -> None:
+    """Every arm not finished yet, in the spec's order; the gate after its arms (a failed gate stops the job)."""
+    work, rank = Path(spec["work_dir"]), distributed.get_rank()
+    arms = [Arm.from_json(arm) for arm in spec["arms"]]
+    for number, arm in enumerate(arms, start=1):
+        path = work / "arms" / f"{arm.name}.json"
+        if not exists_on_rank0(path):
+            ensure_analyses(arm, spec, train)
+            # The start-up of the job that trained the arm: a resumed run charges each arm its own job's.
+            result = {**run_arm(arm, spec, train, tokenizer, splits), "startup": startup}
+            if rank == 0:
+                write_json_atomic(path, result)
+                validation = result["validation"]["loss"]
+                print(f"[{number}/{len(arms)}] {arm.name}: kept {result['kept_fraction']:.3f}, "
+                      f"{result['steps']} steps, loop {result['time']['loop']['wall']:.0f} s wall "
+                      f"({result['time']['loop']['cpu']:.0f} CPU s), validation macro answer loss "
+                      f"{sum(validation.values()) / len(validation):.4f}", flush=True)
+            barrier()
+        if arm.name == spec.get("gate_after"):
+            gate = checked_gate(work, spec)
+            if rank == 0:
+                write_json_atomic(work / "gate.json", gate)
+                print(gate["text"], flush=True)
+            if not gate["passed"]:
+                break
+
+
+def main(process_started: float) -> int:
+    """The job: `deepspeed --num_gpus 2 bench/quality_job.py --spec WORK/spec.json`; `process_started`: when the
+    launched script started (the start-up it is charged)."""
+    from ds_cluster.data.models import load_model_and_tokenizer
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    spec = json.loads(Path(args.spec).read_text())
+    work = Path(spec["work_dir"])
+    distributed.init_distributed()
+    rank = distributed.get_rank()
+    random.seed(0)
+    model, tokenizer = load_model_and_tokenizer(spec["base_model"], rank=rank)
+    train = InstructionDataset(read_jsonl(spec["train"]), tokenizer, max_length=spec["max_length"], rank=rank)
+    # Choosing (bench/quality.py --choose) never evaluates held-out.
+    splits = {name: read_jsonl(spec[name]) for name in spec["evaluate_splits"]}
+    startup = summed({"wall": time.time() - spec["launched_at"], "cpu": time.process_time()})
+    if rank == 0:
+        write_json_atomic(work / "startup.json", {**startup, "process_started": process_started})
+    _evaluate_base(model, tokenizer, splits, spec, work)
+    del model
+    for reason in spec.get("skipped") or []:
+        if rank == 0:
+            print(f"skipped: {reason}", flush=True)
+    _run_arms(spec, train, tokenizer, splits, startup)
+    distributed.shutdown()
+    return 0
