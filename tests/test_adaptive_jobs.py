@@ -1,6 +1,6 @@
 """The adaptive schedule in real 2-rank DeepSpeed jobs: the hook under the deepspeed launcher and mpirun, ZeRO-3,
-ZeRO-2 (on chat records) and ZeRO-1, resume mid-window after a real SIGKILL, ranks that disagree, ClusterTrainer
-(with resume) and ClusterSFTTrainer."""
+ZeRO-2 (on chat records), ZeRO-1 (until ranks that disagree stop) and ZeRO-0 (the automatic budget), resume
+mid-window after a real SIGKILL, ClusterTrainer (with resume) and ClusterSFTTrainer."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ from ds_cluster.planning.shares import window_draws
 from tests.launching import REPO, check, run_deepspeed, run_mpirun
 from tests.test_bad_inputs import assert_failed_on_every_rank
 from tests.training import TRAIN, read_trace, train_args
-from tests.workers.fault_worker import KILL_AFTER_STEP_VAR, SKEW_SHARES_VAR
+from tests.workers.fault_worker import KILL_AFTER_STEP_VAR, SKEW_FROM_WINDOW_VAR, SKEW_SHARES_VAR
 
 pytestmark = pytest.mark.integration
 
@@ -99,23 +99,25 @@ def test_a_rank_killed_mid_window_resumes_to_the_same_shares_indices_and_losses(
     assert log_of(parts) == log_of(adaptive_run)  # the same figures, the same shares
 
 
-def test_ranks_whose_shares_disagree_stop_on_every_rank(small_job, tmp_path):
-    out = tmp_path / "out"
-    result = run_mpirun([WORKER, *hook_args(small_job, out, 1, "--bf16")[2:]], timeout=180,
-                        env_extra={SKEW_SHARES_VAR: "1"})
-    assert_failed_on_every_rank(result, "ranks disagree on the adaptive schedule's shares after window 0", 1.0)
-
-
-def test_a_zero1_bf16_run_under_mpirun_trains_window_by_window(small_job, tmp_path):
+def test_a_zero1_bf16_run_trains_window_by_window_until_ranks_whose_shares_disagree_stop(small_job, tmp_path):
+    """ZeRO-1, bf16, mpirun: window 0 is trained and closed and window 1 drawn at the shares window 0 logged; then
+    rank 1's rule gives other shares than rank 0's (from window 1's close on) and every rank stops, naming it."""
     out = tmp_path / "zero1"
-    check(run_mpirun(hook_args(small_job, out, 1, "--bf16"), timeout=300))
-    assert [line["window"] for line in log_of(out)] == [0, 1]
-    assert all(sum(line["shares"]) == pytest.approx(1.0) for line in log_of(out))
+    result = run_mpirun([WORKER, *hook_args(small_job, out, 1, "--bf16")[2:]], timeout=180,
+                        env_extra={SKEW_SHARES_VAR: "1", SKEW_FROM_WINDOW_VAR: "2"})
+    assert_failed_on_every_rank(result, "ranks disagree on the adaptive schedule's shares after window 1", 1.0)
+    log, plan = log_of(out), Plan.load(out / "plan")
+    assert [line["window"] for line in log] == [0] and sum(log[0]["shares"]) == pytest.approx(1.0)
+    window_1 = [index for rank in range(2) for record in read_trace(out, rank)
+                [ADAPT_EVERY * plan.gradient_accumulation_steps:2 * ADAPT_EVERY * plan.gradient_accumulation_steps]
+                for index in record["indices"]]
+    counts = np.bincount(plan.labels[window_1], minlength=plan.num_clusters)
+    assert counts.tolist() == window_draws(np.array(log[0]["shares"]), ADAPT_EVERY * plan.global_batch_size).tolist()
 
 
 def _trainer(small_job: Path, folder: Path, out: Path, *extra: str):
     config = adaptive_config(small_job, folder, 3, schedule_log=str(out / "schedule.jsonl"))
-    return run_deepspeed([str(HF_WORKER), "--deepspeed", str(config), "--model", str(small_job / "model"),
+    return run_mpirun([str(HF_WORKER), "--deepspeed", str(config), "--model", str(small_job / "model"),
                           "--data", str(small_job / "train.jsonl"), "--out", str(out), "--max-steps", str(STEPS),
                           "--save-steps", "4", *extra], timeout=300)
 
@@ -140,7 +142,7 @@ def test_cluster_sft_trainer_draws_its_windows_at_the_logged_shares(small_job, t
     # SFTTrainer tokenizes the records itself: its rows are not the small job's, so the job analyses them.
     config = adaptive_config(small_job, tmp_path / "config", 3, schedule_log=str(out / "schedule.jsonl"),
                              analysis_path=str(tmp_path / "analysis"))
-    check(run_deepspeed([str(SFT_WORKER), "--deepspeed", str(config), "--model", str(small_job / "model"),
+    check(run_mpirun([str(SFT_WORKER), "--deepspeed", str(config), "--model", str(small_job / "model"),
                          "--data", str(small_job / "train.jsonl"), "--out", str(out), "--max-steps", str(STEPS),
                          "--save-steps", "100"], timeout=300, env_extra={"HF_HUB_DISABLE_TELEMETRY": "1"}))
     log = log_of(out)
@@ -167,7 +169,7 @@ def test_cluster_sft_trainer_draws_its_windows_at_the_logged_shares(small_job, t
 
 
 def test_a_zero2_run_on_chat_records_draws_its_windows_at_the_logged_shares(tmp_path):
-    """ZeRO-2 under the deepspeed launcher, the analysis computed in the job, on gzipped chat and Alpaca records
+    """ZeRO-2 under mpirun, the analysis computed in the job, on gzipped chat and Alpaca records
     rendered by the tokenizer's chat template: the second window is drawn at the shares the first one logged."""
     import gzip
 
@@ -190,7 +192,7 @@ def test_a_zero2_run_on_chat_records_draws_its_windows_at_the_logged_shares(tmp_
         **BLOCK, "adapt_every": every, "num_clusters": 2, "analysis_path": str(tmp_path / "analysis"),
         "schedule_log": str(out / "schedule.jsonl")}
     (tmp_path / "ds_config.json").write_text(json.dumps(config))
-    check(run_deepspeed([*TRAIN, "--deepspeed", str(tmp_path / "ds_config.json"), "--model", str(folder),
+    check(run_mpirun([*TRAIN, "--deepspeed", str(tmp_path / "ds_config.json"), "--model", str(folder),
                          "--data", str(tmp_path / "train.jsonl.gz"), "--output-dir", str(out), "--max-length", "48",
                          "--epochs", "2", "--max-steps", str(steps), "--trace"], timeout=300))
     plan, log = Plan.load(out / "plan"), log_of(out)
@@ -208,7 +210,7 @@ def test_a_zero0_auto_run_cools_down_over_every_cluster_and_ends_at_a_zero_learn
     args = train_args(small_job, "zero0.json", out, "--max-steps", "30", "--epochs", "20", "--lr-schedule", "cosine")
     args[args.index("--deepspeed") + 1] = str(adaptive_config(
         small_job, out, 0, budget_ratio="auto", auto_patience=1, auto_tolerance=0.99, auto_cooldown=0.5))
-    check(run_deepspeed(args, timeout=300))
+    check(run_mpirun(args, timeout=300))
     log = log_of(out)
     assert [line["window"] for line in log] == [0, 1, 2]
     assert log[1]["stopped"] == [0, 1, 2, 3] and log[1]["cooldown"] == [6, 9]

@@ -30,9 +30,9 @@ WORKER = str(REPO / "tests" / "workers" / "fault_worker.py")
 DISAGREE_WITHIN_S = 60.0
 
 
-def worker_args(small_job: Path, out: Path, *extra: str) -> list[str]:  # noqa: F811
+def worker_args(small_job: Path, out: Path, *extra: str, config: str = "zero2.json") -> list[str]:  # noqa: F811
     """train.py's arguments for the small job, started through the fault-injecting wrapper."""
-    args = train_args(small_job, "zero2.json", out, *extra)
+    args = train_args(small_job, config, out, *extra)
     return [WORKER, *args[2:]]  # in place of `-m ds_cluster.train`
 
 
@@ -46,13 +46,15 @@ def _timed(args: list[str], launcher=run_mpirun, **options: Any) -> tuple[subpro
 @pytest.mark.integration
 def test_rank_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(small_job, tmp_path,  # noqa: F811
                                                                           uninterrupted_run):
-    # The uninterrupted run is the session's shared one (ZeRO-2, the deepspeed launcher).
-    whole, parts, steps = uninterrupted_run(2), tmp_path / "parts", ("--max-steps", str(SHARED_RUN_STEPS))
+    """ZeRO-3 (its partitioned state is the hardest to resume): the uninterrupted run is the session's shared one
+    (the deepspeed launcher); this is also the default suite's exact-resume test (tests/test_hook.py's clean stop
+    and resume runs with -m slow)."""
+    whole, parts, steps = uninterrupted_run(3), tmp_path / "parts", ("--max-steps", str(SHARED_RUN_STEPS))
 
     # Rank 1 dies (SIGKILL) right after optimizer step 3; the last checkpoint is step 2's. The deepspeed launcher
     # must then end the other rank.
-    killed, elapsed = _timed(worker_args(small_job, parts, *steps, "--save-every", "2"), launcher=run_deepspeed,
-                             timeout=300, env_extra={KILL_AFTER_STEP_VAR: "3"})
+    killed, elapsed = _timed(worker_args(small_job, parts, *steps, "--save-every", "2", config="zero3.json"),
+                             launcher=run_deepspeed, timeout=300, env_extra={KILL_AFTER_STEP_VAR: "3"})
     assert killed.returncode != 0, killed.stdout[-3000:]
     assert elapsed < 120, f"the surviving rank was left running for {elapsed:.0f} s"
     assert (parts / "checkpoints" / "latest").read_text().strip() == "global_step2"
@@ -62,7 +64,7 @@ def test_rank_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(small_j
     assert all(count >= micro_steps_saved for count in lines_before.values()), lines_before
 
     # Relaunched (through mpirun: the checkpoint, not the launcher, carries the sequence).
-    check(run_mpirun(train_args(small_job, "zero2.json", parts, *steps, "--save-every", "2", "--resume"),
+    check(run_mpirun(train_args(small_job, "zero3.json", parts, *steps, "--save-every", "2", "--resume"),
                      timeout=300))
     for rank in range(2):
         expected, trace = read_trace(whole, rank), read_trace(parts, rank)
@@ -192,7 +194,7 @@ def test_selection_in_the_training_job_resumes_after_a_kill_and_is_reused(small_
         return args
 
     # Rank 0 dies right after its first finished shard (the small job is one shard of 512 samples).
-    killed, _ = _timed([WORKER, *job(tmp_path / "killed")[2:]], launcher=run_deepspeed, timeout=300,
+    killed, _ = _timed([WORKER, *job(tmp_path / "killed")[2:]], timeout=300,
                        env_extra={KILL_AFTER_SHARD_VAR: "1", KILL_RANK_VAR: "0"})
     assert killed.returncode != 0
     store_markers = sorted((analysis / ".feature_store" / "shards").glob("*.done.json"))

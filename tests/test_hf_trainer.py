@@ -1,4 +1,8 @@
-"""ClusterTrainer (Hugging Face Trainer + DeepSpeed ZeRO-3, 2 ranks on CPU): plan batches per rank, exact resume."""
+"""ClusterTrainer (Hugging Face Trainer + DeepSpeed ZeRO-3, 2 ranks on CPU): plan batches per rank, exact resume.
+
+The module's run starts without an analysis: the Trainer's job computes it (a forward-only engine of the model
+under ZeRO-3) before its first step, as the hook does, and every later job of the module (the hook's run, the
+resumed run) reads it instead of computing it again."""
 from __future__ import annotations
 
 import json
@@ -20,19 +24,21 @@ SAVE_STEPS = 5  # with 4 steps per epoch: a checkpoint inside the second epoch
 
 
 @pytest.fixture(scope="module")
-def trainer_config(small_job: Path) -> Path:  # noqa: F811
-    """zero3.json with a small budget (4 optimizer steps per epoch) and the hand-made analysis."""
+def trainer_config(small_job: Path, tmp_path_factory) -> Path:  # noqa: F811
+    """zero3.json with a small budget (about 4 optimizer steps per epoch) and an analysis folder the first job
+    fills."""
     config = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
     block = config["data_efficiency"]["data_sampling"]["cluster_sampling"]
-    block.update(analysis_path=str(small_job / "analysis"), budget_ratio=0.2)
+    block.update(analysis_path=str(tmp_path_factory.mktemp("hf_analysis") / "analysis"), budget_ratio=0.2)
     path = small_job / "hf_zero3.json"
     path.write_text(json.dumps(config))
     return path
 
 
 @pytest.fixture(scope="module")
-def expected_plan(small_job: Path, trainer_config: Path) -> Plan:  # noqa: F811
-    """The plan built here, independently of the Trainer, for the run's batch shape."""
+def expected_plan(small_job: Path, trainer_config: Path, uninterrupted_run: Path) -> Plan:  # noqa: F811
+    """The plan built here, independently of the Trainer, for the run's batch shape, from the analysis its job
+    computed."""
     config = ClusterSamplingConfig.from_ds_config(trainer_config)
     num_samples = sum(1 for _ in (small_job / "train.jsonl").open())
     inputs = AnalysisDir(config.analysis_path).load_inputs(num_samples)
@@ -60,8 +66,24 @@ def uninterrupted_run(small_job: Path, trainer_config: Path, tmp_path_factory) -
 
 @pytest.mark.integration
 def test_a_trainer_job_leaves_no_shared_memory_behind(uninterrupted_run: Path):
-    """Trainer starts DeepSpeed's CPU shm all-reduce (~66 MB per rank in /dev/shm) itself; ClusterTrainer unlinks it."""
+    """Trainer starts DeepSpeed's CPU shm all-reduce (~66 MB per rank in /dev/shm) itself; ClusterTrainer unlinks it
+    (the in-job analysis's forward-only engine included)."""
     assert json.loads((uninterrupted_run / "shm_left.json").read_text()) == []
+
+
+def _analysis_manifest(trainer_config: Path) -> dict:
+    return json.loads((Path(ClusterSamplingConfig.from_ds_config(trainer_config).analysis_path)
+                       / "manifest.json").read_text())
+
+
+@pytest.mark.integration
+def test_cluster_trainer_computes_a_missing_analysis_in_its_job(uninterrupted_run: Path, trainer_config: Path):
+    """analysis_path held nothing: the Trainer's job computed the analysis with a forward-only engine of its model
+    under the job's ZeRO stage, on both ranks, before its first step (the later jobs read it: see below)."""
+    manifest = _analysis_manifest(trainer_config)
+    assert manifest["computed_by"] == "the training job (TracingClusterTrainer)"
+    assert manifest["zero_stage"] == 3 and manifest["world_size"] == 2
+    assert len(read_trace(uninterrupted_run, 0)) == MAX_STEPS * 2  # then trained: accumulation 2 in zero3.json
 
 
 @pytest.mark.integration
@@ -75,15 +97,18 @@ def test_each_rank_trains_on_exactly_its_plan_batches(uninterrupted_run: Path, e
 def test_the_hook_and_cluster_trainer_train_on_the_same_sequence(uninterrupted_run: Path, small_job: Path,  # noqa: F811
                                                                  trainer_config: Path, tmp_path: Path):
     """The same 2-rank job through the DeepSpeed hook (python -m ds_cluster.train) and through ClusterTrainer:
-    one set-up (integrations/setup.py), so the same samples on every rank, micro-batch by micro-batch."""
+    one set-up (integrations/setup.py), so the same samples on every rank, micro-batch by micro-batch. The hook
+    reads the analysis the Trainer's job computed, without computing it again."""
+    manifest = _analysis_manifest(trainer_config)
     check(run_mpirun([*TRAIN, "--deepspeed", str(trainer_config), "--model", str(small_job / "model"),
                       "--data", str(small_job / "train.jsonl"), "--output-dir", str(tmp_path), "--max-length",
-                      "64", "--trace", "--max-steps", str(MAX_STEPS), "--epochs", "3"], nproc=WORLD, timeout=300))
+                      "64", "--trace", "--max-steps", str(MAX_STEPS), "--epochs", "10"], nproc=WORLD, timeout=300))
     for rank in range(WORLD):
         hook = [record["indices"] for record in read_trace(tmp_path, rank)]
         trainer = [record["indices"] for record in read_trace(uninterrupted_run, rank)]
         assert len(hook) == len(trainer) == MAX_STEPS * 2, rank  # accumulation 2 in zero3.json
         assert hook == trainer, f"rank {rank}: the hook and ClusterTrainer trained on other samples"
+    assert _analysis_manifest(trainer_config) == manifest  # read, not recomputed
 
 
 @pytest.mark.integration
@@ -96,10 +121,13 @@ def test_resume_from_a_checkpoint_continues_the_same_sequence(uninterrupted_run:
     assert (state["epoch"], state["position"]) == (epoch, steps_in_epoch * expected_plan.gradient_accumulation_steps)
     assert state["plan_fingerprint"] == expected_plan.fingerprint()
 
-    # New processes, resumed from the mid-epoch checkpoint, to the same last step.
+    # New processes, resumed from the mid-epoch checkpoint, to the same last step (under mpirun: the checkpoint,
+    # not the launcher, carries the sequence), reading the job's analysis.
+    manifest = _analysis_manifest(trainer_config)
     resumed = tmp_path / "resumed"
-    check(run_deepspeed(worker_args(small_job, trainer_config, resumed, "--resume", str(checkpoint)),
-                        nproc=WORLD, timeout=300))
+    check(run_mpirun(worker_args(small_job, trainer_config, resumed, "--resume", str(checkpoint)),
+                     nproc=WORLD, timeout=300))
+    assert _analysis_manifest(trainer_config) == manifest
     skipped = SAVE_STEPS * expected_plan.gradient_accumulation_steps
     for rank in range(WORLD):
         expected, got = read_trace(uninterrupted_run, rank)[skipped:], read_trace(resumed, rank)
@@ -120,7 +148,8 @@ def test_one_process_loader_follows_the_plan_and_refuses_a_checkpoint_of_another
     from ds_cluster.data.models import load_model_and_tokenizer
 
     block = json.loads(trainer_config.read_text())["data_efficiency"]["data_sampling"]["cluster_sampling"]
-    block = {**block, "preset": None, "allocation": "stratified", "num_clusters": 3, "kmeans_n_init": 1}
+    block = {**block, "preset": None, "allocation": "stratified", "num_clusters": 3, "kmeans_n_init": 1,
+             "analysis_path": str(small_job / "analysis")}
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              use_cpu=True, report_to=[])
     model, tokenizer = load_model_and_tokenizer(small_job / "model")

@@ -61,10 +61,12 @@ def test_zero3_offload_config_trains(small_job, tmp_path):
     assert "done: 3 steps" in result.stdout + result.stderr
 
 
-# ZeRO-3 by default (its partitioned state is the hardest to resume); ZeRO-2 with -m slow (its resume after a
-# SIGKILL is tests/test_faults.py's). The uninterrupted run is the session's shared one (deepspeed launcher); the
-# interrupted one and its resumption go through mpirun: the checkpoint, not the launcher, carries the sequence.
-@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])
+# With -m slow: a clean stop and resume at ZeRO-2 and 3 (by default, exact resume is tests/test_faults.py's ZeRO-3
+# run resumed after a SIGKILL, against the same shared run). The uninterrupted run is the session's shared one
+# (deepspeed launcher); the interrupted one and its resumption go through mpirun: the checkpoint, not the launcher,
+# carries the sequence.
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
 def test_resume_continues_the_exact_sequence(small_job, tmp_path, stage, uninterrupted_run):
     config, steps = f"zero{stage}.json", ("--max-steps", str(SHARED_RUN_STEPS))
     whole, parts = uninterrupted_run(stage), tmp_path / "parts"

@@ -14,7 +14,7 @@ import pytest
 from ds_cluster import ClusterSamplingConfig, Plan, build_plan
 from ds_cluster.analysis.folder import AnalysisDir
 from ds_cluster.integrations.hf import SAMPLER_STATE_FILE
-from tests.launching import REPO, check, run_deepspeed, shm_buffers
+from tests.launching import REPO, check, run_deepspeed, run_mpirun, shm_buffers
 from tests.training import assert_trainer_follows_plan, read_trace
 
 WORKER = REPO / "tests" / "workers" / "trl_trainer_worker.py"
@@ -127,8 +127,8 @@ def test_resume_continues_the_same_sequence_on_the_jobs_analysis(uninterrupted_r
 
     analysis_before = analysis_digest(sft_job / "analysis")
     resumed = tmp_path / "resumed"
-    check(run_deepspeed(worker_args(small_job, sft_job, resumed, "--resume", str(checkpoint)), nproc=WORLD,
-                        timeout=JOB_TIMEOUT_S, env_extra=QUIET))
+    check(run_mpirun(worker_args(small_job, sft_job, resumed, "--resume", str(checkpoint)), nproc=WORLD,
+                     timeout=JOB_TIMEOUT_S, env_extra=QUIET))
     # The analysis the first job computed was read, not computed again (same files, no extraction).
     assert json.loads((resumed / "run.json").read_text())["analysis_timings"] == {}
     assert analysis_digest(sft_job / "analysis") == analysis_before

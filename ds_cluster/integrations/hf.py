@@ -251,6 +251,14 @@ class ClusterSamplingMixin:
         return (loss, outputs) if return_outputs else loss
 
     # ----------------------------------------------------------- checkpoints
+    def _save_rng_state(self, output_dir: str) -> None:
+        # Under DeepSpeed on a CPU, Accelerate counts one process, so Trainer has every rank write the same
+        # rng_state.pth at once: with states that differ between ranks the file can come out corrupt, and the resume
+        # then fails reading it. The first rank writes it alone (every rank reads it back on resume, as before).
+        if self.args.world_size <= 1 and distributed.get_world_size() > 1 and distributed.get_rank() != 0:
+            return
+        super()._save_rng_state(output_dir)  # type: ignore[misc]
+
     def train(self, resume_from_checkpoint: Union[str, bool, None] = None, *args: Any, **kwargs: Any):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)

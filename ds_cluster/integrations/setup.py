@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -184,13 +185,22 @@ class ClusterSetup:
         started, cpu_started = time.perf_counter(), time.process_time()
         features = self.stages.features
         provenance = {"computed_by": adapter.name, "feature_model": features.model}
-        # The job's engine (the hook), else a forward-only one of the model (a Trainer), else a separate feature model.
-        with feature_source(features, self.training_data, ds_config=self.ds_config,
-                            engine=adapter.engine, model=adapter.model) as source:
-            summary = analyze(source.engine, source.dataset, self.config.analysis_path, self.stages,
-                              batch_size=adapter.shape.micro_batch_size, show_progress=self.everyone.rank == 0,
-                              provenance=provenance, collectives=self.everyone, analysis_of=self.training_data,
-                              analysis_of_fingerprint=self.data_fingerprint)
+        engine, built = adapter.engine, False
+        if callable(engine) and not hasattr(engine, "forward"):  # 0.5.0's adapters gave a function that builds one
+            warnings.warn("TrainerAdapter(engine=<a function building an engine>) is TrainerAdapter(model=...) "
+                          "since 0.6.0", DeprecationWarning, stacklevel=2)
+            engine, built = engine(), True
+        try:
+            # The job's engine (the hook), else a forward-only one of the model (a Trainer), else a feature model.
+            with feature_source(features, self.training_data, ds_config=self.ds_config,
+                                engine=engine, model=adapter.model) as source:
+                summary = analyze(source.engine, source.dataset, self.config.analysis_path, self.stages,
+                                  batch_size=adapter.shape.micro_batch_size, show_progress=self.everyone.rank == 0,
+                                  provenance=provenance, collectives=self.everyone, analysis_of=self.training_data,
+                                  analysis_of_fingerprint=self.data_fingerprint)
+        finally:
+            if built and hasattr(engine, "destroy"):
+                engine.destroy()
         inputs = self.everyone.run_agreed("reading the analysis just computed", self.read_inputs,
                                           errors=(ValueError, FileNotFoundError))
         assert inputs is not None

@@ -6,6 +6,7 @@ over the data-parallel ranks at its report cadence (DeepSpeed's monitor at every
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -21,7 +22,11 @@ class ClusterFigures:
     """A monitor's reading of the loader's tally: per cluster, the mean training loss since the last `report`, and
     the samples of each cluster reported so far (since the job started)."""
 
-    def __init__(self, tally: ClusterTally) -> None:
+    def __init__(self, tally: Any, num_clusters: Optional[int] = None) -> None:
+        if num_clusters is not None:  # 0.5.0's ClusterFigures(labels, num_clusters), with a tally of its own
+            warnings.warn("ClusterFigures(labels, num_clusters) is ClusterFigures(ClusterTally(labels, num_clusters)) "
+                          "since 0.6.0", DeprecationWarning, stacklevel=2)
+            tally = ClusterTally(tally, num_clusters)
         self.tally = tally
         self.num_clusters = tally.num_clusters
         self._mark = tally.snapshot()

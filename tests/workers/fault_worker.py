@@ -26,6 +26,7 @@ KILL_RANK_VAR = "DS_CLUSTER_TEST_KILL_RANK"
 KILL_AFTER_SHARD_VAR = "DS_CLUSTER_TEST_KILL_AFTER_SHARD"
 RANK_ARGS_VAR = "DS_CLUSTER_TEST_RANK_ARGS"
 SKEW_SHARES_VAR = "DS_CLUSTER_TEST_SKEW_SHARES"
+SKEW_FROM_WINDOW_VAR = "DS_CLUSTER_TEST_SKEW_FROM_WINDOW"  # the first window drawn at skewed shares (default 1)
 
 
 def replace_options(argv: list[str], replacements: dict[str, str]) -> list[str]:
@@ -69,8 +70,9 @@ def kill_after_shards(shard_limit: int) -> None:
     FeatureStore.write_shard = write_then_maybe_die
 
 
-def skew_shares() -> None:
-    """This rank's adaptive rule returns shares a little off the others' (every rule, every window)."""
+def skew_shares(from_window: int) -> None:
+    """This rank's adaptive rule returns shares a little off the others' (every rule), for the windows from
+    `from_window` on (the window the shares are for: 1 is the first the rule draws)."""
     import numpy as np
 
     from ds_cluster.planning.shares import ADAPTIVE_RULES
@@ -78,9 +80,10 @@ def skew_shares() -> None:
     for rule in ADAPTIVE_RULES.values():
         original = type(rule).update
 
-        def nudged(self, *args, _original=original, **kwargs):
-            shares, state = _original(self, *args, **kwargs)
-            shares = shares + np.where(shares > 0, 1e-3, 0.0)
+        def nudged(self, state, figures, natural, active, window, exploration, _original=original):
+            shares, state = _original(self, state, figures, natural, active, window, exploration)
+            if window >= from_window:
+                shares = shares + np.where(shares > 0, 1e-3, 0.0)
             return shares / shares.sum(), state
 
         type(rule).update = nudged
@@ -96,7 +99,7 @@ def main() -> int:
     if KILL_AFTER_SHARD_VAR in os.environ and rank == os.environ.get(KILL_RANK_VAR, "1"):
         kill_after_shards(int(os.environ[KILL_AFTER_SHARD_VAR]))
     if os.environ.get(SKEW_SHARES_VAR) == rank:
-        skew_shares()
+        skew_shares(int(os.environ.get(SKEW_FROM_WINDOW_VAR, "1")))
     from ds_cluster import train
 
     return train.main(argv)
