@@ -46,6 +46,22 @@ def uninterrupted_run(small_job, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def job_made_analysis(small_job, tmp_path_factory) -> Path:
+    """An analysis made the way the demo's is (launch/demo.sh): by the DeepSpeed hook in a 2-rank training job
+    (python -m ds_cluster.train, the recommended preset of ds_configs/recommended.json) from a data file, before
+    its first step. Returns the analysis folder."""
+    from tests.launching import REPO, check, run_mpirun
+    from tests.training import TRAIN
+
+    out = tmp_path_factory.mktemp("job_made_analysis")
+    check(run_mpirun([*TRAIN, "--deepspeed", str(REPO / "ds_configs" / "recommended.json"), "--model",
+                      str(small_job / "model"), "--data", str(small_job / "train.jsonl"), "--analysis",
+                      str(out / "analysis"), "--output-dir", str(out / "run"), "--max-length", "64", "--max-steps",
+                      "1"], timeout=300))
+    return out / "analysis"
+
+
+@pytest.fixture(scope="session")
 def adaptive_run(small_job, tmp_path_factory) -> Path:
     """The adaptive hook run of tests/test_adaptive_jobs.py, ZeRO-3, under the deepspeed launcher: 9 steps, 3
     windows, with DeepSpeed's CSV monitor on (OUT/monitor/job); read by the adaptive and the monitor tests."""

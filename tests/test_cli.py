@@ -130,6 +130,46 @@ def test_report_writes_the_page_with_a_family_table(analysis: Path, tmp_path: Pa
     assert "Purity" in hidden and not any(html.escape(" ".join(text.split())[:40]) in hidden for text in shown)
 
 
+def test_report_reads_the_records_the_analysis_was_made_of_and_says_why_when_it_cannot(small_job: Path,  # noqa: F811
+                                                                                     tmp_path: Path, caplog):
+    """An analysis records the file its records came from (path and content fingerprint); `ds-cluster report`
+    without --data reads them from there while the file is unchanged, and otherwise names the file and why."""
+    import shutil
+
+    from ds_cluster import ClusterSamplingConfig, analyze
+    from ds_cluster.data.dataset import load_instruction_dataset, source_fingerprint
+    from ds_cluster.data.models import load_model_and_tokenizer
+
+    data = tmp_path / "train.jsonl"
+    shutil.copy(small_job / "train.jsonl", data)
+    model, tokenizer = load_model_and_tokenizer(small_job / "model")
+    config = ClusterSamplingConfig(enabled=True, num_clusters=4, kmeans_n_init=1, feature_kind="proxy")
+    analyze(model, load_instruction_dataset(data, tokenizer, max_length=64), tmp_path / "analysis", config,
+            batch_size=64, show_progress=False)
+    manifest = json.loads((tmp_path / "analysis" / "manifest.json").read_text())
+    assert manifest["data_source"] == {"path": str(data), "fingerprint": source_fingerprint(data)}
+
+    def page(name: str, *extra: str) -> str:
+        assert main(["report", "--analysis", str(tmp_path / "analysis"), "--deepspeed",
+                     str(REPO / "ds_configs" / "recommended.json"), "--world-size", "2", "--out", str(tmp_path / name),
+                     *extra]) == 0
+        return (tmp_path / name / "index.html").read_text()
+
+    first = json.loads(data.read_text().splitlines()[0])
+    read = page("read")
+    assert "Purity" in read and "No records" not in read and str(data) in read  # the records' file, an input
+    assert "<ol><li>" in read  # example prompts, read from the file
+    hidden = page("hidden", "--no-text")
+    assert "Purity" in hidden and "left out of this report (--no-text)" in hidden
+    data.write_text(data.read_text().replace(first["instruction"], first["instruction"] + " (edited)", 1))
+    changed = page("changed")
+    assert f"{data} has changed since" in html.unescape(changed) and "Purity" not in changed
+    assert f"{data} has changed since" in caplog.text
+    data.unlink()
+    gone = page("gone")
+    assert f"was made of {data}, which is not there any more" in html.unescape(gone)
+
+
 def dry_run(capsys, *args: str) -> str:
     assert main(["train", "--deepspeed", "cfg.json", *args, "--dry-run", "--", "--model", "m"]) == 0
     return capsys.readouterr().out

@@ -16,8 +16,9 @@ from ds_cluster import ClusterSamplingConfig, Plan, build_plan
 from ds_cluster.data.dataset import prompt_text
 from ds_cluster.report.clusters import describe_clusters, distinguishing_words
 from ds_cluster.report.page import write_report
+from tests.launching import REPO
 from ds_cluster.report.summary import (cluster_category_counts, cluster_counts_per_rank_step, pca_projection,
-                                       schedule_coverage)
+                                       layout_coverage)
 
 FAMILIES = ("add", "sort", "reverse")
 
@@ -73,11 +74,11 @@ def test_counts_per_rank_step_are_the_schedule_counted(plan: Plan):
 
 
 def test_coverage_of_stratified_and_cluster_per_rank_schedules(blobs, plan: Plan):
-    stratified = schedule_coverage(plan)
+    stratified = layout_coverage(plan)
     assert stratified["steps"] == plan.steps_per_epoch
     assert stratified["clusters_per_step_min"] == plan.num_clusters  # every cluster in every global step
     per_rank = make_plan(blobs[0], paper=True)
-    coverage = schedule_coverage(per_rank)
+    coverage = layout_coverage(per_rank)
     assert coverage["clusters_per_rank_step_min"] == coverage["clusters_per_rank_step_mean"] == 1
 
 
@@ -289,3 +290,43 @@ def test_report_renders_in_headless_chromium(chromium: str, tmp_path: Path, blob
     header = screenshot.read_bytes()[:24]
     assert header[:8] == b"\x89PNG\r\n\x1a\n"
     assert int.from_bytes(header[16:20], "big") == 1200  # PNG width from the IHDR chunk
+
+
+def _rendered_cluster_rows(dom: str) -> list[dict]:
+    """The rows of "What each cluster holds" as the browser rendered them: cluster, categories, words, examples."""
+    section = dom.split("What each cluster holds", 1)[1].split("</table>", 1)[0]
+    rows = []
+    for row in re.findall(r"<tr>(.*?)</tr>", section, re.S)[1:]:
+        cells = re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)
+        rows.append({"cluster": int(cells[0]), "categories": html.unescape(cells[4]).strip(),
+                     "words": html.unescape(cells[5]).strip(),
+                     "examples": [html.unescape(item) for item in re.findall(r"<li>(.*?)</li>", cells[6], re.S)]})
+    return rows
+
+
+@pytest.mark.browser
+@pytest.mark.integration
+def test_the_report_of_an_analysis_made_in_a_training_job_shows_what_each_cluster_holds(chromium: str, tmp_path: Path,
+                                                                                     job_made_analysis: Path):
+    """The demo's report (launch/demo.sh: `ds-cluster report` without --data, of the analysis its training job made):
+    the records are read from where the analysis says they came from, and every cluster's distinguishing words,
+    three example prompts and task-group mix reach the page Chromium renders; --no-text still leaves the text out."""
+    from ds_cluster.cli import main
+
+    config = str(REPO / "ds_configs" / "recommended.json")
+    assert main(["report", "--analysis", str(job_made_analysis), "--deepspeed", config, "--world-size", "2",
+                 "--out", str(tmp_path / "report")]) == 0
+    dumped = run_chromium(chromium, tmp_path / "profile", "--dump-dom", (tmp_path / "report" / "index.html").as_uri())
+    assert dumped.returncode == 0, dumped.stderr[-3000:]
+    rows = _rendered_cluster_rows(dumped.stdout)
+    assert [row["cluster"] for row in rows] == list(range(8))  # the recommended preset's 8 clusters
+    for row in rows:
+        assert row["words"] and len(row["examples"]) == 3 and all(row["examples"]), row
+        assert re.match(r"[a-z_]+ \d+", row["categories"]), row  # "family count, ...": the task-group mix
+    assert "Purity" in dumped.stdout and "No records" not in dumped.stdout
+
+    assert main(["report", "--analysis", str(job_made_analysis), "--deepspeed", config, "--world-size", "2",
+                 "--out", str(tmp_path / "hidden"), "--no-text"]) == 0
+    hidden = (tmp_path / "hidden" / "index.html").read_text()
+    assert "left out of this report (--no-text)" in hidden and not any(
+        html.escape(example[:30]) in hidden for row in rows for example in row["examples"])

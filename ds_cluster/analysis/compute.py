@@ -22,7 +22,7 @@ import numpy as np
 from ds_cluster.analysis.folder import AnalysisDir
 from ds_cluster.clustering.kmeans import ClusterResult, category_counts, cluster_with, purity, spread_to_all
 from ds_cluster.collectives import LOCAL, Collectives
-from ds_cluster.data.dataset import dataset_fingerprint
+from ds_cluster.data.dataset import dataset_fingerprint, records_source
 from ds_cluster.features.extract import ExtractionResult, run_extraction
 from ds_cluster.features.kinds import feature_kind
 from ds_cluster.features.store import DEFAULT_SHARD_SIZE
@@ -140,6 +140,8 @@ def _cluster_and_write(folder: AnalysisDir, extraction: ExtractionResult, datase
         "model_fingerprint": extraction.manifest.model_fingerprint if extraction.manifest else None,
         "dataset_fingerprint": fingerprint,
         "feature_store": os.fspath(store_path), "kind": extraction.kind, "dim": extraction.dim,
+        # Where the analysed records can be read again (ds-cluster report reads them from there), when known.
+        "data_source": records_source(dataset),
         "seed": features.seed, "normalize": features.normalize, "num_clusters": num_clusters,
         "world_size": world_size, "cluster_sampling": {**features.block_values(), **clustering.block_values()},
     }

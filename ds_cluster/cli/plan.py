@@ -39,13 +39,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from ds_cluster.report.summary import format_coverage, plan_table, schedule_coverage
+    from ds_cluster.report.summary import format_coverage, plan_table, layout_coverage
 
     try:
         plan, _ = build_plan_from_args(args)
     except (ValueError, FileNotFoundError) as err:
         return input_error("plan", err)
-    coverage = schedule_coverage(plan, epoch=0)
+    coverage = layout_coverage(plan, epoch=0)
     if args.out:
         plan.save(args.out)
         logger.info("plan saved to %s", args.out)

@@ -146,13 +146,14 @@ class InstructionDataset(Dataset):
     """
 
     def __init__(self, records: Sequence[Mapping[str, Any]], tokenizer: Any, max_length: int = DEFAULT_MAX_LENGTH,
-                 rank: Optional[int] = None):
+                 rank: Optional[int] = None, source: Optional[str] = None):
         if max_length < 2:
             raise ValueError(f"max_length must be at least 2, got {max_length}")
         ensure_pad_token(tokenizer, rank)
         self.records: list[dict] = [dict(_as_record(r, index)) for index, r in enumerate(records)]
         self.max_length = max_length
         self.tokenizer = tokenizer  # a feature model's re-encoding renders chat records with its template
+        self.source = source  # the file or folder the records were read from (an analysis records it), if any
         count = len(self.records)
         # Padded positions are never read (mask 0, label -100): any id would do; the pad id keeps them tidy.
         self.input_ids = torch.full((count, max_length), pad_token_id_or_zero(tokenizer), dtype=torch.int64)
@@ -321,6 +322,10 @@ def read_records(source: Source) -> list[dict]:
         import datasets
 
         return _one_split(datasets.load_from_disk(str(path)), f"point at one split's folder in {path}").to_list()
+    if path.is_file() and path.suffix == ".arrow":  # a datasets.Dataset's own file (its cache file)
+        import datasets
+
+        return datasets.Dataset.from_file(str(path)).to_list()
     if path.is_file():
         return read_jsonl(path)
     raise FileNotFoundError(f"no JSONL file or save_to_disk folder at {path}")
@@ -329,5 +334,40 @@ def read_records(source: Source) -> list[dict]:
 def load_instruction_dataset(source: Source, tokenizer: Any, max_length: int = DEFAULT_MAX_LENGTH,
                              rank: Optional[int] = None) -> InstructionDataset:
     """An InstructionDataset from a JSONL file (optionally gzipped), a ``datasets.Dataset`` or its
-    ``save_to_disk`` folder, or records; Alpaca and chat records alike (see ``InstructionDataset``)."""
-    return InstructionDataset(read_records(source), tokenizer, max_length=max_length, rank=rank)
+    ``save_to_disk`` folder, or records; Alpaca and chat records alike (see ``InstructionDataset``). A file or
+    folder is remembered as the dataset's ``source`` (an analysis of it records where its records are)."""
+    path = os.path.abspath(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else None
+    return InstructionDataset(read_records(source), tokenizer, max_length=max_length, rank=rank, source=path)
+
+
+def source_fingerprint(path: Union[str, os.PathLike]) -> str:
+    """What identifies a data file's (or a save_to_disk folder's) bytes: a hash of its content (a folder's files,
+    with their names), so a report can tell whether the records are still the ones an analysis was made of."""
+    root = Path(path)
+    digest = hashlib.sha256()
+    for file in sorted(root.rglob("*")) if root.is_dir() else [root]:
+        if file.is_file():
+            digest.update(str(file.relative_to(root) if root.is_dir() else file.name).encode())
+            with open(file, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def source_path(dataset: Any) -> Optional[str]:
+    """The file or folder a dataset's records can be read again from: an InstructionDataset's (or any dataset's)
+    ``source``, or the one Arrow file a ``datasets.Dataset`` is backed by; None for records built in memory."""
+    path = getattr(dataset, "source", None)
+    if path is None:
+        cache_files = getattr(dataset, "cache_files", None)
+        if isinstance(cache_files, list) and len(cache_files) == 1:
+            path = cache_files[0].get("filename")
+    if not isinstance(path, (str, os.PathLike)) or not Path(path).exists():
+        return None
+    return os.path.abspath(os.fspath(path))
+
+
+def records_source(dataset: Any) -> Optional[dict[str, str]]:
+    """{"path", "fingerprint"} of where a dataset's records can be read again (`source_path`), else None."""
+    path = source_path(dataset)
+    return None if path is None else {"path": path, "fingerprint": source_fingerprint(path)}

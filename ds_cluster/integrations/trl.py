@@ -45,7 +45,7 @@ except ImportError as err:  # an extra: a training job through the hook or Clust
 
 from ds_cluster import distributed
 from ds_cluster.config import ClusterSamplingConfig
-from ds_cluster.data.dataset import IGNORE_INDEX, TASK_GROUP_FIELDS, task_group
+from ds_cluster.data.dataset import IGNORE_INDEX, TASK_GROUP_FIELDS, source_path, task_group
 from ds_cluster.integrations.hf import ClusterSamplingMixin, resolve_cluster_config
 from ds_cluster.loader.sampler import SAMPLE_WEIGHT
 
@@ -68,9 +68,11 @@ class PaddedRowsView(Dataset):
     Same length and order as the rows: index i is row i.
     """
 
-    def __init__(self, rows: datasets.Dataset, pad_token_id: int):
+    def __init__(self, rows: datasets.Dataset, pad_token_id: int, source: Optional[str] = None):
         self.rows = rows
         self.pad_token_id = int(pad_token_id)
+        # Where the records these rows were prepared from can be read again (the user's dataset's file), if known.
+        self.source = source
         # At least 2 columns: the loss and the features shift labels by one.
         self.width = max([len(ids) for ids in rows["input_ids"]] + [2])
 
@@ -148,6 +150,8 @@ class ClusterSFTTrainer(ClusterSamplingMixin, SFTTrainer):
         if config.enabled:
             check_sft_options(given.get("args"), given.get("train_dataset"), given.get("compute_loss_func"))
         self._padded_rows: Optional[PaddedRowsView] = None
+        # The user's records before SFTTrainer tokenizes them: what a report of the analysis reads.
+        self._records_path = source_path(given.get("train_dataset")) if config.enabled else None
         super().__init__(*args, cluster_config=config, **kwargs)
         if config.enabled:
             self._check_prepared_rows()
@@ -172,7 +176,8 @@ class ClusterSFTTrainer(ClusterSamplingMixin, SFTTrainer):
         if self._padded_rows is None or self._padded_rows.rows is not self.train_dataset:
             # The collator's pad id; any id would do (masked out), this one keeps the rows as the model sees them.
             pad_token_id = getattr(self.data_collator, "pad_token_id", None)
-            self._padded_rows = PaddedRowsView(self.train_dataset, 0 if pad_token_id is None else pad_token_id)
+            self._padded_rows = PaddedRowsView(self.train_dataset, 0 if pad_token_id is None else pad_token_id,
+                                               source=self._records_path)
             logger.info("ds_cluster: the plan reads SFTTrainer's %d rows, padded to %d tokens for the checks and "
                         "the features", len(self._padded_rows), self._padded_rows.width)
         return self._padded_rows

@@ -16,7 +16,7 @@ from ds_cluster.report.clusters import ClusterDescription, describe_clusters
 from ds_cluster.report.plots import (plot_category_heatmap, plot_cluster_sizes, plot_projection, plot_rank_step_heatmap,
                                      plot_schedule, plot_weights)
 from ds_cluster.report.summary import (cluster_category_counts, cluster_counts_per_rank_step, pca_projection,
-                                       schedule_coverage)
+                                       layout_coverage)
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def _figure(name: str, alt: str) -> str:
 
 def _plan_section(plan: Plan, out: Path) -> list[str]:
     summary = plan.summary()
-    coverage = schedule_coverage(plan, epoch=0)
+    coverage = layout_coverage(plan, epoch=0)
     weight_of = np.zeros(plan.num_clusters)
     weight_of[plan.labels[plan.selected]] = plan.weights[plan.selected]
     return [
@@ -95,10 +95,13 @@ def _features_section(plan: Plan, features: Optional[np.ndarray], max_points: in
     return parts
 
 
-def _categories_section(plan: Plan, categories: Optional[Sequence[str]], out: Path) -> list[str]:
+def _categories_section(plan: Plan, categories: Optional[Sequence[str]], out: Path,
+                        records_note: Optional[str] = None) -> list[str]:
     parts = ["<h2>Clusters and categories</h2>"]
     if categories is None or len(categories) != plan.num_samples or not any(categories):
-        parts.append('<p class="note">The data has no category (or family) column: no cluster-versus-category table.</p>')
+        why = (f"No records: {records_note}" if records_note else
+               "The data has no category (or family) column")
+        parts.append(f'<p class="note">{html.escape(why)}: no cluster-versus-category table.</p>')
         return parts
     names, category_counts_, purity_value = cluster_category_counts(plan.labels, categories, plan.num_clusters)
     parts.append(f"<p>Purity {purity_value:.3f}: the share of samples in their cluster's most common category.</p>")
@@ -110,14 +113,15 @@ def _categories_section(plan: Plan, categories: Optional[Sequence[str]], out: Pa
     return parts
 
 
-def _clusters_section(descriptions: Sequence[ClusterDescription], text_left_out: bool) -> list[str]:
+def _clusters_section(descriptions: Sequence[ClusterDescription], text_left_out: bool,
+                      records_note: Optional[str] = None) -> list[str]:
     parts = ["<h2>What each cluster holds</h2>"]
     if text_left_out:
         parts.append('<p class="note">The records\' text is left out of this report (--no-text): no words, no '
                      'example prompts.</p>')
     elif not any(d.examples for d in descriptions):
-        parts.append('<p class="note">No prompt text was given (the data was not found): no words, no example '
-                     'prompts.</p>')
+        why = f"No records: {records_note}" if records_note else "No prompt text was given"
+        parts.append(f'<p class="note">{html.escape(why)}: no words, no example prompts.</p>')
     else:
         parts.append('<p class="note">Words: the prompt words whose TF-IDF weight in the cluster most exceeds their '
                      'weight in the other clusters. Examples: the prompts nearest the cluster\'s centre in feature '
@@ -163,6 +167,7 @@ def write_report(
     title: str = "ds_cluster plan report",
     sources: Optional[dict[str, str]] = None,
     max_projection_points: int = 4000,
+    records_note: Optional[str] = None,
 ) -> Path:
     """Write `out_dir/index.html` and its PNG plots for a plan; returns the HTML's path.
 
@@ -171,8 +176,9 @@ def write_report(
     (skipped when None); prompts: the prompt text of every sample (N), for what each cluster holds (its
     distinguishing words and the prompts nearest its centre); include_text=False leaves every record's text out
     of the page (for data that must not be copied into a report); schedule_lines: an adaptive run's schedule
-    log (one dict per window), for its shares and per-cluster loss over the steps; sources: name -> value lines shown at the top
-    (config, analysis...).
+    log (one dict per window), for its shares and per-cluster loss over the steps; sources: name -> value lines
+    shown at the top (config, analysis...); records_note: why there are no records (prompts, categories), shown
+    where they would be.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -181,15 +187,15 @@ def write_report(
         parts.append(_table(["input", "value"], sorted(sources.items()), names=2))
     parts += _plan_section(plan, out)
     descriptions = describe_clusters(plan, prompts=prompts if include_text else None, categories=categories)
-    parts += _clusters_section(descriptions, text_left_out=not include_text)
+    parts += _clusters_section(descriptions, text_left_out=not include_text, records_note=records_note)
     if schedule_lines:
         parts += _schedule_section(plan, schedule_lines, out)
-    parts.append("<h2>Schedule: samples of each cluster per rank and step</h2>")
+    parts.append("<h2>Layout: samples of each cluster per rank and step (epoch 0)</h2>")
     parts.append(_figure(plot_rank_step_heatmap(cluster_counts_per_rank_step(plan, epoch=0),
                                                 out / "rank_step_heatmap.png"),
                          "heat map of cluster counts per rank per step"))
     parts += _features_section(plan, features, max_projection_points, out)
-    parts += _categories_section(plan, categories, out)
+    parts += _categories_section(plan, categories, out, records_note)
     document = ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
                 f"<title>{html.escape(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n"
                 + "\n".join(parts) + "\n</body>\n</html>\n")

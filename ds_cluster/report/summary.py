@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Sequence, Union
 
@@ -96,8 +97,8 @@ def cluster_counts_per_rank_step(plan: Plan, epoch: int = 0) -> np.ndarray:
     return counts.reshape(steps, world, plan.num_clusters)
 
 
-def schedule_coverage(plan: Plan, epoch: int = 0) -> dict[str, Any]:
-    """Distinct clusters per global step and per rank-step of one epoch's schedule (min and mean)."""
+def layout_coverage(plan: Plan, epoch: int = 0) -> dict[str, Any]:
+    """Distinct clusters per global step and per rank-step of one epoch's layout (min and mean)."""
     counts = cluster_counts_per_rank_step(plan, epoch)
     if counts.size == 0:
         return {"epoch": epoch, "steps": 0, "clusters_per_step_min": 0, "clusters_per_step_mean": 0.0,
@@ -143,6 +144,12 @@ def pca_projection(features: np.ndarray, rows: np.ndarray, max_points: int = 400
         coords = np.pad(coords, ((0, 0), (0, 2 - components)))
         explained = np.pad(explained, (0, 2 - components))
     return rows, coords, explained
+
+
+def schedule_coverage(plan: Plan, epoch: int = 0) -> dict[str, Any]:
+    """0.5.0's name of `layout_coverage`."""
+    warnings.warn("schedule_coverage is layout_coverage since 0.6.0", DeprecationWarning, stacklevel=2)
+    return layout_coverage(plan, epoch)
 
 
 def cluster_category_counts(labels: np.ndarray, categories: Sequence[str],
