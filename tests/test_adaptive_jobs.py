@@ -122,10 +122,19 @@ def _trainer(small_job: Path, folder: Path, out: Path, *extra: str):
                           "--save-steps", "4", *extra], timeout=300)
 
 
+def _ranks_train_other_samples(out: Path) -> bool:
+    """Every micro-step, the two ranks trained disjoint samples (a window draws without replacement): each rank
+    its own part of the plan, not a plan of its own."""
+    traces = [read_trace(out, rank) for rank in range(2)]
+    return len(traces[0]) == len(traces[1]) > 0 and all(
+        not set(first["indices"]) & set(second["indices"]) for first, second in zip(*traces))
+
+
 def test_cluster_trainer_runs_the_adaptive_schedule_and_resumes_mid_window(small_job, tmp_path):
     whole = tmp_path / "whole"
     check(_trainer(small_job, tmp_path / "config", whole))
     assert [line["window"] for line in log_of(whole)] == [0, 1]
+    assert _ranks_train_other_samples(whole)
     resumed = tmp_path / "resumed"
     check(_trainer(small_job, tmp_path / "config", resumed, "--resume", str(whole / "checkpoint-4")))
     gas = json.loads((REPO / "ds_configs" / "zero3.json").read_text())["gradient_accumulation_steps"]
@@ -146,7 +155,7 @@ def test_cluster_sft_trainer_draws_its_windows_at_the_logged_shares(small_job, t
                          "--data", str(small_job / "train.jsonl"), "--out", str(out), "--max-steps", str(STEPS),
                          "--save-steps", "100"], timeout=300, env_extra={"HF_HUB_DISABLE_TELEMETRY": "1"}))
     log = log_of(out)
-    assert [line["window"] for line in log] == [0, 1]
+    assert [line["window"] for line in log] == [0, 1] and _ranks_train_other_samples(out)
     run = json.loads((out / "run.json").read_text())
     labels, natural = np.array(run["labels"]), np.array(run["cluster_sizes"]) / sum(run["cluster_sizes"])
     traces = [read_trace(out, rank) for rank in range(2)]

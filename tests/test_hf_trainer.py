@@ -174,12 +174,15 @@ def test_one_process_loader_follows_the_plan_and_refuses_a_checkpoint_of_another
 
 @pytest.fixture(scope="module")
 def trainer_gradient_jobs(tmp_path_factory) -> dict:
-    """ClusterTrainer's one step per loss reduction, both in one 2-rank launch (hf_grad_worker.py)."""
+    """ClusterTrainer's one step per loss reduction, both in one 2-rank launch (hf_grad_worker.py), under a bare
+    mpirun: nothing sets RANK or WORLD_SIZE, so Trainer leaves the process group down, and ClusterTrainer must start
+    it before planning (else each rank planned alone, trained the same batches, and the first step was 0.92 to 1.15
+    of the reference). The deepspeed launcher trains the module's other Trainer run."""
     roots = {reduction: tmp_path_factory.mktemp(f"hf_grad_{reduction}") for reduction in ("sample", "token")}
     for reduction, root in roots.items():
         write_gradient_job(root, reduction)
     outs = [arg for root in roots.values() for arg in ("--out", str(root))]
-    check(run_deepspeed([str(REPO / "tests" / "workers" / "hf_grad_worker.py"), *outs], timeout=300))
+    check(run_mpirun([str(REPO / "tests" / "workers" / "hf_grad_worker.py"), *outs], timeout=300))
     return roots
 
 

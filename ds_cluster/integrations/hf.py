@@ -190,6 +190,10 @@ class ClusterSamplingMixin:
         Accelerate reports one process for DeepSpeed on CPU although DeepSpeed trains on all of them.
         """
         check_data_parallel_is_the_world(self.args)
+        if distributed.launched_by_mpi() and not distributed.is_initialized():
+            # Under a bare mpirun nothing sets RANK or WORLD_SIZE, so Trainer (Accelerate) leaves the process group
+            # down until DeepSpeed's engine: every rank would plan as if it were alone and train the same batches.
+            distributed.init_distributed()
         everyone = distributed.collectives()
         shape = BatchShape(everyone.world_size, self._train_batch_size, self.args.gradient_accumulation_steps)
         if self.cluster_config.stages().schedule.adaptive and self.args.dataloader_num_workers:

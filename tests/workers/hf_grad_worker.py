@@ -1,6 +1,6 @@
 """One optimizer step of ClusterTrainer (Hugging Face Trainer + DeepSpeed) with SGD at lr 1; saves the step.
 
-Run by tests/test_hf_trainer.py under the deepspeed launcher (2 ranks), on the same model, data and
+Run by tests/test_hf_trainer.py under a bare mpirun (2 ranks), on the same model, data and
 cluster block as tests/workers/grad_worker.py runs through the DeepSpeed hook: the global batch is the
 whole kept subset, so parameters before minus after is the gradient, which the test compares with the
 same by-hand estimate the hook is checked against. Each --out folder (one per loss reduction) gets its
