@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.harness.builders import build_arms  # noqa: E402
 from bench.harness.data import prepare_data  # noqa: E402
-from bench.harness.instrument import (CHOICE_LISTS, KNOWN_ARMS, OVERHEAD_LIMIT, SMOLLM2_RECIPE,  # noqa: E402
+from bench.harness.instrument import (CHOICE_LISTS, KNOWN_ARMS, OVERHEAD_CHOICES, OVERHEAD_LIMIT, SMOLLM2_RECIPE,  # noqa: E402
                                       SYNTHETIC_RECIPE, Settings, check_work_dir, default_base_model,
                                       with_feature_models)
 from bench.harness.launch import run_job, write_spec  # noqa: E402
@@ -85,6 +85,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="choose the automatic budget's stopping signal among bench/candidates.json's "
                              "\"auto_overhead\" list: the fastest of those under 1%% of the loop and within the "
                              "noise of full data's loss, T0 validation only, beside full data and the random subset")
+    parser.add_argument("--choose-auto-signal", action="store_true",
+                        help="choose the automatic budget's stopping signal (relative, a fitted learning curve, an "
+                             "absolute floor) among bench/candidates.json's \"auto_signal\" list by the auto_overhead "
+                             "rule, T0 validation only, beside full data and the random subset")
     parser.add_argument("--choose-overhead", action="store_true",
                         help="choose the adaptive schedule's window and probe size among bench/candidates.json's "
                              "\"adaptive_overhead\" list: the lowest macro validation loss among those whose loader "
@@ -211,7 +215,7 @@ def _choosing(settings: Settings, choosing: str) -> Settings:
         # Declared and measured when proxy was the default feature kind; they keep it, so they reproduce.
         candidates = {name: {"feature_kind": "proxy", **block} for name, block in candidates.items()}
     return replace(settings, candidates=candidates, fractions=(settings.headline_fraction,), ablations=False,
-                   overhead_limit=OVERHEAD_LIMIT if choosing.endswith("_overhead") else None)
+                   overhead_limit=OVERHEAD_LIMIT if choosing in OVERHEAD_CHOICES else None)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -22,6 +22,7 @@ from ds_cluster.clustering.kmeans import BACKENDS
 from ds_cluster.ds_config import BLOCK_PATH, ConfigSource, cluster_block, read_ds_config
 from ds_cluster.features.kinds import FEATURE_KINDS
 from ds_cluster.planning.allocation import ALLOCATIONS
+from ds_cluster.planning.auto import AUTO_SIGNALS
 from ds_cluster.planning.budget import BUDGETS
 from ds_cluster.planning.selection import SELECTIONS
 from ds_cluster.planning.shares import ADAPTIVE_RULES
@@ -63,7 +64,7 @@ PRESETS: dict[str, dict[str, Any]] = {"paper": PAPER_PRESET, "recommended": RECO
 # The keys that name a rule, and the registry each is read from (the one list of the names there are).
 RULE_REGISTRIES: dict[str, Registry] = {"feature_kind": FEATURE_KINDS, "budget_mode": BUDGETS, "selection": SELECTIONS,
                                         "weighting": WEIGHTINGS, "allocation": ALLOCATIONS, "backend": BACKENDS,
-                                        "adaptive_rule": ADAPTIVE_RULES}
+                                        "adaptive_rule": ADAPTIVE_RULES, "auto_signal": AUTO_SIGNALS}
 RULE_KEYS = tuple(RULE_REGISTRIES)
 # The keys no stage reads: the switch, the preset (already applied) and where files are.
 NOT_STAGE_KEYS = ("enabled", "preset", "analysis_path", "schedule_log")
@@ -114,6 +115,14 @@ class ClusterSamplingConfig(BaseModel):
     exploration: float = Field(0.1, ge=0.0, le=1.0)
     auto_tolerance: float = Field(0.03, ge=0.0, lt=1.0)
     auto_patience: int = Field(3, ge=1)
+    # budget_ratio "auto": what tells that a cluster stopped improving (planning/auto.py, docs/adaptive.md):
+    # "relative" (its loss fell by auto_tolerance of its best), "curve" (a power law fitted to its last
+    # auto_fit_windows losses predicts a loss at least auto_remaining lower, relatively, after as many steps again)
+    # or "floor" (that curve falls by at least auto_floor nats over the next window).
+    auto_signal: str = "relative"
+    auto_fit_windows: int = Field(8, ge=2)
+    auto_remaining: float = Field(0.2, ge=0.0, lt=1.0)
+    auto_floor: float = Field(0.02, ge=0.0)
     # budget_ratio "auto": once every cluster has stopped, the run goes on for this fraction of the steps it has
     # taken (whole windows, at least one) at the natural shares while the learning rate decays to 0
     # (lr_schedules.warmup_stable_decay); 0 ends the run at once. With auto_maintenance: a stopped cluster keeps

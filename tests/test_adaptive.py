@@ -163,6 +163,23 @@ def test_auto_cooldown_resumes_from_a_state_saved_inside_it(tmp_path):
     assert done + _train(resumed, 1000) == expected and resumed.finished
 
 
+@pytest.mark.parametrize("signal", ["curve", "floor"])
+def test_a_fitted_signal_stops_flat_clusters_logs_why_and_resumes_inside_the_cool_down(tmp_path, signal):
+    keys = dict(budget_ratio="auto", auto_signal=signal, auto_fit_windows=2, auto_patience=1, auto_cooldown=0.5)
+    expected = _train(_loader(tmp_path / "a", **keys), 1000)  # losses never fall: flat curves, every cluster stops
+    lines = [json.loads(line) for line in (tmp_path / "a" / "schedule.jsonl").read_text().splitlines()]
+    stopping = next(line for line in lines if len(line["stopped"]) == 3)
+    assert stopping["window"] == 1 and all(stop["signal"] == signal and stop["step"] == 4
+                                           for stop in stopping["stops"])
+    assert all(abs(stop["predicted_gain"]) < 1e-9 for stop in stopping["stops"])  # a flat curve predicts no gain
+    first = _loader(tmp_path / "b", **keys)
+    done = _train(first, 10)  # inside the cool-down (windows 2 and 3)
+    state = json.loads(json.dumps(first.state_dict(global_step=5)))
+    resumed = _loader(tmp_path / "b", **keys)
+    resumed.load_state_dict(state)
+    assert done + _train(resumed, 1000) == expected and resumed.finished
+
+
 def test_auto_maintenance_keeps_a_stopped_cluster_at_its_share_of_the_natural(tmp_path):
     loader = _loader(tmp_path, budget_ratio="auto", auto_patience=2, auto_tolerance=0.01, auto_maintenance=0.5,
                      adaptive_rule="loss", exploration=0.0)

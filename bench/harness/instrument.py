@@ -45,10 +45,13 @@ EQUAL_STEPS_KINDS = ("random", "recommended")
 # Issue 33's bound on the adaptive schedule's cost: the loader's share of the training loop (--choose-overhead).
 OVERHEAD_LIMIT = 0.01
 # Each choosing flag (--choose, --choose-adaptive, ...) and its list in bench/candidates.json (None: the
-# instrument's own list); the results are named quality_<flag>. The *_overhead lists are judged by OVERHEAD_LIMIT.
+# instrument's own list); the results are named quality_<flag>.
 CHOICE_LISTS: dict[str, Optional[str]] = {"choose_adaptive": "adaptive", "choose_auto": "auto",
                                           "choose_overhead": "adaptive_overhead",
-                                          "choose_auto_overhead": "auto_overhead", "choose": None}
+                                          "choose_auto_overhead": "auto_overhead",
+                                          "choose_auto_signal": "auto_signal", "choose": None}
+# The choosing runs whose rule reads the loader's share of the loop against OVERHEAD_LIMIT.
+OVERHEAD_CHOICES = ("choose_overhead", "choose_auto_overhead", "choose_auto_signal")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ from ds_cluster.collectives import LOCAL, Collectives
 from ds_cluster.loader.schedule import Block, Schedule
 from ds_cluster.planning.allocation import Stratified, batch_quotas
 from ds_cluster.planning.plan import Plan
-from ds_cluster.planning.shares import ADAPTIVE_RULES, AdaptiveRule, WindowFigures, auto_stop, window_draws
+from ds_cluster.planning.auto import AutoRule, AutoState, auto_step
+from ds_cluster.planning.shares import ADAPTIVE_RULES, AdaptiveRule, WindowFigures, window_draws
 from ds_cluster.planning.tally import ClusterTally
 from ds_cluster.planning.weights import WEIGHTINGS
 from ds_cluster.settings import ScheduleSettings
@@ -58,6 +59,11 @@ class WindowState:
     best: list
     stale: list
     cooldown: Optional[dict] = None
+    # The auto budget's per-cluster history of (step, loss), first loss and stop record (planning.auto.AutoState);
+    # None in a state saved before 0.6.0.
+    history: Optional[list] = None
+    first_losses: Optional[list] = None
+    stops: Optional[list] = None
 
     @classmethod
     def first(cls, shares: np.ndarray, rule: AdaptiveRule) -> "WindowState":
@@ -68,10 +74,19 @@ class WindowState:
     @classmethod
     def from_json(cls, data: dict) -> "WindowState":
         return cls(**{key: data.get(key) for key in ("shares", "rule_state", "streams", "stopped", "best", "stale",
-                                                     "cooldown")})
+                                                     "cooldown", "history", "first_losses", "stops")})
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items()
+                if value is not None or key not in ("history", "first_losses", "stops")}
+
+    def auto_state(self) -> AutoState:
+        """The auto budget's bookkeeping of this state."""
+        empty = AutoState.empty(len(self.stopped))
+        return AutoState(list(self.best), list(self.stale), list(self.stopped),
+                         self.history if self.history is not None else empty.history,
+                         self.first_losses if self.first_losses is not None else empty.first,
+                         self.stops if self.stops is not None else empty.stops)
 
 
 @dataclass(frozen=True)
@@ -101,6 +116,9 @@ class AdaptiveSchedule(Schedule):
         self.collectives = collectives
         self.probe_losses = probe_losses
         self.rule = ADAPTIVE_RULES.get_rule(settings.rule)
+        self.auto_rule = AutoRule(signal=settings.signal, tolerance=settings.tolerance, patience=settings.patience,
+                                  fit_windows=settings.fit_windows, remaining=settings.remaining,
+                                  floor=settings.floor, window_steps=settings.adapt_every)
         self.shape = plan.batch_shape
         self.natural = plan.cluster_sizes / plan.cluster_sizes.sum()
         self.probe, self.pools = _probe_and_pools(plan, settings)
@@ -220,14 +238,12 @@ class AdaptiveSchedule(Schedule):
     def _next_state(self, figures: WindowFigures) -> WindowState:
         """The next window's state: the rule's shares over the clusters still drawn; one log line (rank 0)."""
         state = self.state
-        stopped = np.asarray(state.stopped, dtype=bool)
-        best = np.array([np.nan if b is None else b for b in state.best], dtype=np.float64)
-        stale = np.asarray(state.stale, dtype=np.int64)
+        auto, predicted = state.auto_state(), None
         cooldown = state.cooldown
         steps_done = (self.window + 1) * self.settings.adapt_every
         if self.settings.auto and cooldown is None:
-            best, stale, stopped = auto_stop(best, stale, stopped, figures.tracked_loss, self.settings.tolerance,
-                                             self.settings.patience)
+            auto, predicted = auto_step(auto, figures.tracked_loss, steps_done, self.auto_rule)
+        stopped = np.asarray(auto.stopped, dtype=bool)
         active = self._has_pool() & ~stopped
         shares, rule_state = np.asarray(state.shares, dtype=np.float64), state.rule_state
         if cooldown is not None:  # cooling down: the natural shares, until its end
@@ -249,12 +265,12 @@ class AdaptiveSchedule(Schedule):
         self.collectives.check_agreement((self.window, digest), f"adaptive schedule's shares after window "
                                                                 f"{self.window}")
         assert self._drawn is not None
-        following = WindowState(shares.tolist(), rule_state, self._drawn.streams_after, stopped.tolist(),
-                                [None if np.isnan(b) else float(b) for b in best], stale.tolist(), cooldown)
-        self._log(figures, following)
+        following = WindowState(shares.tolist(), rule_state, self._drawn.streams_after, stopped.tolist(), auto.best,
+                                auto.stale, cooldown, auto.history, auto.first, auto.stops)
+        self._log(figures, following, predicted)
         return following
 
-    def _log(self, figures: WindowFigures, following: WindowState) -> None:
+    def _log(self, figures: WindowFigures, following: WindowState, predicted: Optional[list]) -> None:
         if self.collectives.rank != 0 or not self.settings.log_path:
             return
         probe = figures.probe_loss
@@ -266,6 +282,9 @@ class AdaptiveSchedule(Schedule):
                 "stopped": np.flatnonzero(following.stopped).tolist(), "finished": self.finished}
         if following.cooldown is not None:
             line["cooldown"] = [following.cooldown["start"], following.cooldown["end"]]
+        if self.settings.auto:  # why each stopped cluster stopped, and what the signal predicted this window
+            line["stops"] = following.stops
+            line["predicted_gain"] = predicted
         with open(self.settings.log_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(line) + "\n")
 
