@@ -202,6 +202,27 @@ def test_an_adaptive_runs_log_adds_its_shares_and_losses(tmp_path: Path, plan: P
     assert "Adaptive schedule" not in write_report(tmp_path / "static", plan).read_text()
 
 
+def test_an_auto_budgets_log_says_per_cluster_when_it_stopped_why_and_what_it_gained_after(tmp_path: Path,
+                                                                                          plan: Plan):
+    """With budget_ratio "auto" the log's stop records (planning/auto.py) become the table's stopped step, reason,
+    predicted gain and realized gain (the loss at the stop minus the cluster's last loss in the log)."""
+    stop = {"step": 20, "signal": "curve", "loss": 1.2, "predicted_gain": 0.05,
+            "why": "its learning curve predicts 4.2% lower loss after as many steps again (the bar: 20%), 2 windows "
+                   "in a row"}
+    lines = [{"window": w, "step": 10 * (w + 1), "train_loss": [2.0 - w / 10, 1.2 - w / 100, 0.9], "probe_loss": None,
+              "shares": [0.5, 0.3, 0.2], "samples_consumed": [20 * (w + 1), 12 * (w + 1), 8 * (w + 1)],
+              "kept_fraction": 0.4 * (w + 1) / 3, "stopped": [1] if w >= 1 else [], "finished": False,
+              "stops": [None, stop if w >= 1 else None, None], "predicted_gain": [0.2, 0.05, None]}
+             for w in range(4)]
+    page = html.unescape(write_report(tmp_path, plan, schedule_lines=lines).read_text())
+    table = page.split("Adaptive schedule", 1)[1].split("</table>", 1)[0]
+    rows = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", table, re.S)[1:]]
+    cells = rows[1]  # cluster, consumed, of its size, stopped at step, why, predicted, realized, share, loss
+    assert cells[3] == "20" and cells[4].startswith("curve: its learning curve predicts 4.2% lower loss")
+    assert cells[5] == "0.0500" and cells[6] == "+0.0300"  # 1.2 at the stop, 1.17 in the last window
+    assert rows[0][3] == rows[0][4] == ""  # cluster 0 never stopped
+
+
 def test_report_without_features_or_families_says_so(tmp_path: Path, plan: Plan):
     page = write_report(tmp_path, plan).read_text()
     assert len(image_sources(page)) == 3

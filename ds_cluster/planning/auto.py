@@ -47,6 +47,7 @@ class Reading:
 
     improving: bool
     predicted_gain: Optional[float] = None
+    why: str = ""  # what the signal read, in words (a stop record keeps it)
 
 
 class AutoSignal(ABC):
@@ -80,7 +81,8 @@ class RelativeSignal(AutoSignal):
 
     def read(self, history: Sequence[Sequence[float]], first: float, best: float, rule: AutoRule) -> Reading:
         latest = history[-1][1]
-        return Reading(math.isnan(best) or latest < best * (1.0 - rule.tolerance))
+        return Reading(math.isnan(best) or latest < best * (1.0 - rule.tolerance),
+                       why=f"loss {latest:.4f}, not {rule.tolerance:.0%} below its best {best:.4f}")
 
 
 class CurveSignal(AutoSignal):
@@ -92,7 +94,9 @@ class CurveSignal(AutoSignal):
             return Reading(True)  # not enough windows to read a curve from yet
         now, beta = curve
         gain_ahead = now * (1.0 - 2.0 ** beta) if beta < 0 else 0.0  # as many steps again: step x 2
-        return Reading(gain_ahead >= rule.remaining * now, gain_ahead)
+        return Reading(gain_ahead >= rule.remaining * now, gain_ahead,
+                       f"its learning curve predicts {gain_ahead / now:.1%} lower loss after as many steps again "
+                       f"(the bar: {rule.remaining:.0%})")
 
 
 class FloorSignal(AutoSignal):
@@ -106,7 +110,9 @@ class FloorSignal(AutoSignal):
         step = history[-1][0]
         fall_next_window = now * (1.0 - ((step + rule.window_steps) / step) ** beta) if beta < 0 else 0.0
         gain_ahead = now * (1.0 - 2.0 ** beta) if beta < 0 else 0.0
-        return Reading(fall_next_window >= rule.floor, gain_ahead)
+        return Reading(fall_next_window >= rule.floor, gain_ahead,
+                       f"its learning curve falls {fall_next_window:.4f} nats over the next window (the bar: "
+                       f"{rule.floor:g})")
 
 
 AUTO_SIGNALS: Registry[AutoSignal] = Registry("auto_signal", (RelativeSignal(), CurveSignal(), FloorSignal()))
@@ -153,5 +159,6 @@ def auto_step(state: AutoState, tracked: np.ndarray, step: int, rule: AutoRule) 
         if stale[cluster] >= rule.patience:
             stopped[cluster] = True
             stops[cluster] = {"step": int(step), "signal": rule.signal, "loss": float(loss),
-                              "predicted_gain": reading.predicted_gain}
+                              "predicted_gain": reading.predicted_gain,
+                              "why": f"{reading.why}, {rule.patience} window{'s' * (rule.patience > 1)} in a row"}
     return AutoState(best, stale, stopped, history, first, stops), predicted

@@ -149,10 +149,26 @@ def _schedule_section(plan: Plan, lines: Sequence[dict], out: Path) -> list[str]
             f"clusters stopped: {html.escape(stopped)}{'; the run finished' if last['finished'] else ''}.</p>",
             _figure(plot_schedule(list(lines), plan.num_clusters, out / "schedule.png"),
                     "sampling shares and per-cluster loss over the optimizer steps"),
-            _table(["cluster", "samples consumed", "last share", "last loss (training)"], [
-                (c, last["samples_consumed"][c], f"{last['shares'][c]:.3f}",
-                 "" if last["train_loss"][c] is None else f"{last['train_loss'][c]:.4f}")
-                for c in range(plan.num_clusters)])]
+            _table(["cluster", "samples consumed", "of its size", "stopped at step", "why",
+                    "predicted gain (nats)", "realized gain (nats)", "last share", "last loss (training)"],
+                   [_schedule_row(plan, lines, c) for c in range(plan.num_clusters)])]
+
+
+def _schedule_row(plan: Plan, lines: Sequence[dict], cluster: int) -> tuple:
+    """A cluster's row of the adaptive schedule: what it consumed, and with the automatic budget when it stopped,
+    why, the gain its learning curve still predicted then (for as many steps again) and the gain it made after
+    (its loss when it stopped minus its last loss in the log, from its maintenance share and the cool-down)."""
+    last = lines[-1]
+    stop = (last.get("stops") or [None] * plan.num_clusters)[cluster]
+    later = [line["train_loss"][cluster] for line in lines
+             if stop is not None and line["step"] > stop["step"] and line["train_loss"][cluster] is not None]
+    realized = f"{stop['loss'] - later[-1]:+.4f}" if later else ""
+    predicted = "" if stop is None or stop.get("predicted_gain") is None else f"{stop['predicted_gain']:.4f}"
+    return (cluster, last["samples_consumed"][cluster],
+            f"{last['samples_consumed'][cluster] / max(int(plan.cluster_sizes[cluster]), 1):.2f}",
+            "" if stop is None else stop["step"], "" if stop is None else f"{stop['signal']}: {stop.get('why', '')}",
+            predicted, realized, f"{last['shares'][cluster]:.3f}",
+            "" if last["train_loss"][cluster] is None else f"{last['train_loss'][cluster]:.4f}")
 
 
 def write_report(
