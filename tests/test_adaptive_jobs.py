@@ -213,19 +213,57 @@ def test_a_zero2_run_on_chat_records_draws_its_windows_at_the_logged_shares(tmp_
     assert counts.tolist() == window_draws(np.array(log[0]["shares"]), every * plan.global_batch_size).tolist()
 
 
-def test_a_zero0_auto_run_cools_down_over_every_cluster_and_ends_at_a_zero_learning_rate(small_job, tmp_path):
-    out = tmp_path / "auto"
-    # Every cluster stops after its second window (no 99% improvement), then one window of cool-down (0.5 x 2).
-    args = train_args(small_job, "zero0.json", out, "--max-steps", "30", "--epochs", "20", "--lr-schedule", "cosine")
+def auto_args(small_job: Path, out: Path, *extra: str) -> list[str]:
+    """A ZeRO-0 automatic budget in which every cluster stops after its second window (its learning curve, fitted
+    to its two windows, never predicts 99% lower loss), then one window of cool-down (0.5 x 2): 9 of 30 steps."""
+    args = train_args(small_job, "zero0.json", out, "--max-steps", "30", "--epochs", "20", "--lr-schedule", "cosine",
+                      *extra)
     args[args.index("--deepspeed") + 1] = str(adaptive_config(
-        small_job, out, 0, budget_ratio="auto", auto_patience=1, auto_tolerance=0.99, auto_cooldown=0.5))
-    check(run_mpirun(args, timeout=300))
+        small_job, out, 0, budget_ratio="auto", auto_signal="curve", auto_fit_windows=2, auto_remaining=0.99,
+        auto_patience=1, auto_cooldown=0.5))
+    return args
+
+
+@pytest.fixture(scope="module")
+def auto_run(small_job, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("auto_whole")
+    check(run_mpirun(auto_args(small_job, out), timeout=300))
+    return out
+
+
+def test_a_zero0_auto_run_cools_down_over_every_cluster_and_ends_at_a_zero_learning_rate(auto_run):
+    out = auto_run
     log = log_of(out)
     assert [line["window"] for line in log] == [0, 1, 2]
     assert log[1]["stopped"] == [0, 1, 2, 3] and log[1]["cooldown"] == [6, 9]
+    assert all(stop["step"] == 6 and stop["signal"] == "curve" and "learning curve predicts" in stop["why"]
+               for stop in log[1]["stops"])
     assert set(np.flatnonzero(log[1]["shares"])) == {0, 1, 2, 3}  # the cool-down draws every cluster again
     assert log[2]["finished"]
     for rank in range(2):
         summary = json.loads((out / f"summary_rank{rank}.json").read_text())
         # Ended by the schedule (not the 30-step cap), with the learning rate decayed to 0 at its last step.
         assert summary["steps"] == 9 and summary["learning_rate"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_an_auto_run_killed_inside_its_cool_down_resumes_to_the_same_indices_losses_and_end(auto_run, small_job,
+                                                                                           tmp_path):
+    """Rank 1 dies (SIGKILL) right after step 8: the last checkpoint is step 7's, in the middle of the cool-down's
+    window (steps 6 to 9). The resumed run replays steps 8 and 9 on the same samples with the same losses, and the
+    schedule ends at step 9 with the learning rate at 0, as the uninterrupted run did."""
+    parts = tmp_path / "parts"
+    killed = run_deepspeed([WORKER, *auto_args(small_job, parts, "--save-every", "1")[2:]], timeout=300,
+                           env_extra={KILL_AFTER_STEP_VAR: "8"})
+    assert killed.returncode != 0
+    assert (parts / "checkpoints" / "latest").read_text().strip() == "global_step7"
+    lines_before = {rank: len(read_trace(parts, rank)) for rank in range(2)}
+    gas = Plan.load(parts / "plan").gradient_accumulation_steps
+    check(run_mpirun(auto_args(small_job, parts, "--save-every", "1", "--resume"), timeout=300))
+    for rank in range(2):
+        expected, trace = read_trace(auto_run, rank), read_trace(parts, rank)
+        replayed = trace[:7 * gas] + trace[lines_before[rank]:]
+        assert [r["indices"] for r in replayed] == [r["indices"] for r in expected], f"rank {rank}"
+        assert np.allclose([r["loss"] for r in replayed], [r["loss"] for r in expected], rtol=0, atol=1e-6)
+        summary = json.loads((parts / f"summary_rank{rank}.json").read_text())
+        assert summary["steps"] == 9 and summary["learning_rate"] == pytest.approx(0.0, abs=1e-12)
+    assert log_of(parts) == log_of(auto_run)
