@@ -40,6 +40,8 @@ setup(
     extras_require={
         # ClusterSFTTrainer: SFTTrainer builds the labels while preparing the data from 1.16 on.
         "trl": ["trl>=1.16,<2"],
+        # LoRA and other PEFT models (`python -m ds_cluster.train --lora R`, a PeftModel in any trainer).
+        "peft": ["peft>=0.21,<0.22"],
         # `ds-cluster report`: the plots.
         "report": ["matplotlib>=3.8"],
         "faiss": ["faiss-cpu>=1.8"],

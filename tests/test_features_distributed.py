@@ -1,4 +1,5 @@
-"""Features through real DeepSpeed engines: ZeRO-0 single process vs ZeRO-3 on 2 ranks, and crash-resume."""
+"""Features through real DeepSpeed engines: ZeRO-0 single process vs ZeRO-3 on 2 ranks, and crash-resume; the
+model carries LoRA adapters (peft), so the lora kind's backward runs under ZeRO-3 too."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,8 @@ from tests.launching import check, run_mpirun, run_single
 pytestmark = pytest.mark.integration
 
 WORKER = "tests/workers/extract_worker.py"
-KINDS = ("proxy", "lm_head")
+KINDS = ("proxy", "lm_head", "lora")
+LORA = ("--lora", "4")
 
 
 def _load(out, kind: str, rank: int = 0):
@@ -20,15 +22,17 @@ def _load(out, kind: str, rank: int = 0):
 
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory):
-    """One uninterrupted 2-rank ZeRO-3 run with a store, both kinds."""
+    """One uninterrupted 2-rank ZeRO-3 run with a store, every kind."""
     root = tmp_path_factory.mktemp("zero3")
-    check(run_mpirun([WORKER, "--zero", "3", "--out", str(root / "out"), "--store", str(root / "store")],
+    check(run_mpirun([WORKER, "--zero", "3", "--kinds", ",".join(KINDS), *LORA, "--out", str(root / "out"), "--store",
+                      str(root / "store")],
                         timeout=240))
     return root / "out"
 
 
 def test_zero0_single_process_matches_zero3_two_ranks(zero3_run, tmp_path):
-    check(run_single([WORKER, "--zero", "0", "--out", str(tmp_path)], timeout=240))
+    check(run_single([WORKER, "--zero", "0", "--kinds", ",".join(KINDS), *LORA, "--out", str(tmp_path)],
+                     timeout=240))
     for kind in KINDS:
         single, rank0, rank1 = _load(tmp_path, kind), _load(zero3_run, kind, 0), _load(zero3_run, kind, 1)
         np.testing.assert_array_equal(rank0["features"], rank1["features"])  # identical on every rank
@@ -46,14 +50,14 @@ def test_killed_run_resumes_only_unfinished_shards(zero3_run, tmp_path):
     store, kind = tmp_path / "store", "proxy"
     shards = store / kind / "shards"
     # 40 samples in shards of 8: rank 0 gets shards 0, 2, 4 and rank 1 gets 1, 3; rank 1 dies after its first.
-    killed = run_mpirun([WORKER, "--zero", "3", "--kinds", kind, "--store", str(store), "--out",
+    killed = run_mpirun([WORKER, "--zero", "3", "--kinds", kind, *LORA, "--store", str(store), "--out",
                             str(tmp_path / "killed"), "--kill-after", "1"], timeout=180)
     assert killed.returncode != 0, killed.stdout[-3000:]
     finished_before = {json.loads(path.read_text())["shard"] for path in shards.glob("*.done.json")}
     assert 1 in finished_before and 3 not in finished_before, finished_before
     run_ids_before = {path.name: json.loads(path.read_text())["run_id"] for path in shards.glob("*.done.json")}
 
-    check(run_mpirun([WORKER, "--zero", "3", "--kinds", kind, "--store", str(store), "--out",
+    check(run_mpirun([WORKER, "--zero", "3", "--kinds", kind, *LORA, "--store", str(store), "--out",
                          str(tmp_path / "resumed")], timeout=180))
     resumed = _load(tmp_path / "resumed", kind)
     assert sorted(resumed["computed"].tolist()) == sorted(set(range(5)) - finished_before)

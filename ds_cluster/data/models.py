@@ -19,7 +19,11 @@ def load_tokenizer(path: Union[str, os.PathLike], rank: Optional[int] = None) ->
     on rank 0, ``rank`` else the ``RANK`` variable)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(_checkpoint_folder(path), local_files_only=True)
+    folder = _checkpoint_folder(path)
+    base = adapter_base(folder)
+    if base is not None and not (folder / "tokenizer_config.json").is_file():
+        folder = base  # an adapter folder saved without its tokenizer: the base model's
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     ensure_pad_token(tokenizer, rank)
     return tokenizer
 
@@ -27,10 +31,15 @@ def load_tokenizer(path: Union[str, os.PathLike], rank: Optional[int] = None) ->
 def load_model(path: Union[str, os.PathLike], ds_config: Optional[dict] = None, dtype: torch.dtype = torch.float32,
                pad_token_id: Optional[int] = None) -> Any:
     """A causal LM from a local checkpoint folder, partitioned under ZeRO stage 3 (see `load_model_and_tokenizer`);
-    its ``generation_config.pad_token_id`` is set to `pad_token_id` when it has none."""
+    its ``generation_config.pad_token_id`` is set to `pad_token_id` when it has none. A PEFT adapter folder (with
+    adapter_config.json, as a PeftModel's save_pretrained writes it) gives its base model with those adapters,
+    trainable (`with_saved_adapters`)."""
     from transformers import AutoModelForCausalLM
 
     folder = _checkpoint_folder(path)
+    base = adapter_base(folder)
+    if base is not None:
+        return with_saved_adapters(load_model(base, ds_config, dtype, pad_token_id), folder)
     hf_ds_config = None
     if is_zero3(ds_config):
         from transformers.integrations import HfDeepSpeedConfig
@@ -69,3 +78,50 @@ def _checkpoint_folder(path: Union[str, os.PathLike]) -> Path:
         raise FileNotFoundError(f"model {os.fspath(path)!r} is not a local checkpoint folder (with config.json and "
                                 "weights, as written by save_pretrained)")
     return folder
+
+
+# LoRA on every linear layer of the transformer blocks (attention and MLP projections), not the output layer.
+LORA_TARGETS = "all-linear"
+
+
+def with_lora(model: Any, rank: int, alpha: Optional[float] = None, targets: Any = LORA_TARGETS) -> Any:
+    """`model` as a `peft` PeftModel with LoRA adapters of rank `rank` (scaling alpha / rank, alpha 2 x rank by
+    default; no dropout) on `targets`: only the adapters train. ImportError naming the extra when peft is absent."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:
+        raise ImportError("LoRA needs peft, which is not installed: pip install 'ds_cluster[peft]'") from err
+    config = LoraConfig(r=int(rank), lora_alpha=float(alpha if alpha is not None else 2 * rank),
+                        target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_base(folder: Union[str, os.PathLike]) -> Optional[Path]:
+    """The base model folder a PEFT adapter folder names (its adapter_config.json's base_model_name_or_path);
+    None for a folder without adapter_config.json. FileNotFoundError when the base is not a local folder: nothing
+    is downloaded."""
+    import json
+
+    config_path = Path(folder) / ADAPTER_CONFIG
+    if not config_path.is_file():
+        return None
+    base = json.loads(config_path.read_text()).get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise FileNotFoundError(f"the adapter folder {os.fspath(folder)!r} names {base!r} as its base model, which is "
+                                f"not a local checkpoint folder: set base_model_name_or_path in its {ADAPTER_CONFIG} "
+                                "to the base model's folder (nothing is downloaded)")
+    return Path(base)
+
+
+def with_saved_adapters(model: Any, folder: Union[str, os.PathLike]) -> Any:
+    """`model` with the PEFT adapters saved in `folder`, trainable (their gradients are the lora features and a
+    job trains them on); ImportError naming the extra when peft is absent."""
+    try:
+        from peft import PeftModel
+    except ImportError as err:
+        raise ImportError("the model folder holds PEFT adapters, and peft is not installed: "
+                          "pip install 'ds_cluster[peft]'") from err
+    return PeftModel.from_pretrained(model, os.fspath(folder), is_trainable=True)

@@ -23,8 +23,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ds_cluster.data.dataset import IGNORE_INDEX, dataset_fingerprint, trim_padding
+from ds_cluster.data.dataset import IGNORE_INDEX, dataset_fingerprint
 from ds_cluster.collectives import LOCAL, Collectives
+from ds_cluster.features.adapters import Adapters, adapter_rows, loss_gradient_at_hidden
+from ds_cluster.features.batches import _batches_of, _collate, sample_lengths  # noqa: F401 - re-exported
 from ds_cluster.features.kinds import FeatureKind, feature_kind
 from ds_cluster.features.model_info import find_output_layer, model_fingerprint, output_layer_shape, unwrap_model
 from ds_cluster.features.projection import KroneckerProjection
@@ -98,39 +100,14 @@ def normalize_rows(rows: torch.Tensor) -> torch.Tensor:
     return torch.where(norms > 0, rows / norms.clamp_min(torch.finfo(rows.dtype).tiny), torch.zeros_like(rows))
 
 
-def _collate(dataset: Sequence[dict], indices: Sequence[int], trim: bool = True) -> dict[str, torch.Tensor]:
-    """A batch of the samples `indices`, cut to its longest row (`trim_padding`) when `trim`.
-
-    Under causal attention no real position sees the padding on its right, so a row's features do not
-    depend on the width but in the last bits of float rounding; a sample's batch is fixed in advance
-    (`_batches_of`), so a resumed store matches an uninterrupted one exactly.
-    """
-    items = [dataset[int(index)] for index in indices]
-    batch = {key: torch.stack([torch.as_tensor(item[key]) for item in items])
-             for key in ("input_ids", "attention_mask", "labels")}
-    return trim_padding(batch) if trim else batch
-
-
-def sample_lengths(dataset: Sequence[dict]) -> np.ndarray:
-    """Each sample's width up to its last attended position: int64 (N,). Read from the dataset's own
-    `attention_mask` tensor when it has one (InstructionDataset), else item by item."""
-    mask = getattr(dataset, "attention_mask", None)
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == len(dataset):
-        positions = torch.arange(1, mask.shape[1] + 1)
-        return (mask.bool() * positions).max(dim=1).values.numpy().astype(np.int64)
-    lengths = np.zeros(len(dataset), dtype=np.int64)
-    for index in range(len(dataset)):
-        attended = torch.as_tensor(dataset[index]["attention_mask"]).nonzero()
-        lengths[index] = int(attended.max()) + 1 if attended.numel() else 0
-    return lengths
-
-
 class _OutputLayerInput:
     """Captures the output layer's input and lets it compute the last position's logits only."""
 
     def __init__(self, layer: torch.nn.Module) -> None:
         self.value: Optional[torch.Tensor] = None
-        self._handle = layer.register_forward_pre_hook(self._hook)
+        # Before DeepSpeed's own pre-hook (ZeRO-3 wraps the input for its backward bookkeeping): the lora kind's
+        # backward starts at the input as the model made it, not at ZeRO's wrapper around the output layer.
+        self._handle = layer.register_forward_pre_hook(self._hook, prepend=True)
 
     def _hook(self, module: torch.nn.Module, inputs: tuple) -> tuple:
         self.value = inputs[0]
@@ -155,8 +132,10 @@ def _full_weight(layer: torch.nn.Module) -> Iterator[tuple[torch.Tensor, Optiona
 
 def _batch_rows(engine: Any, model: torch.nn.Module, layer: torch.nn.Module, capture: _OutputLayerInput,
                 batch: dict[str, torch.Tensor], kind: FeatureKind, projection: Optional[KroneckerProjection],
-                chunk_size: int, timings: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward one batch through the engine, then the features of its samples (collective under ZeRO-3).
+                chunk_size: int, timings: dict[str, float], adapters: Optional[Adapters] = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward one batch through the engine, then the features of its samples (collective under ZeRO-3); with
+    `adapters` (the lora kind) the forward keeps its graph and one backward gives the adapters' gradients.
 
     `timings` gains the seconds of the forward ("forward") and of the features from its output ("features").
     """
@@ -167,7 +146,8 @@ def _batch_rows(engine: Any, model: torch.nn.Module, layer: torch.nn.Module, cap
     if hasattr(getattr(model, "config", None), "use_cache"):
         kwargs["use_cache"] = False
     capture.value = None
-    engine(**kwargs)
+    with torch.enable_grad() if adapters is not None else contextlib.nullcontext():
+        engine(**kwargs)
     if capture.value is None:
         raise RuntimeError("the output layer was not called during the forward pass; cannot read its input")
     hidden = capture.value
@@ -176,11 +156,16 @@ def _batch_rows(engine: Any, model: torch.nn.Module, layer: torch.nn.Module, cap
         # The logits of the response positions in float32, whatever the engine's precision: the softmax of a
         # large vocabulary is where bf16 would lose the most.
         weight32, bias32 = weight.float(), None if bias is None else bias.float()
+        if adapters is not None:
+            hidden_gradient, counts = loss_gradient_at_hidden(hidden, batch["labels"], weight32, bias32, chunk_size)
+        else:
+            def logits_at(samples: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                return torch.nn.functional.linear(hidden[samples, positions].float(), weight32, bias32)
 
-        def logits_at(samples: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.linear(hidden[samples, positions].float(), weight32, bias32)
-
-        rows = batch_features(hidden, batch["labels"], logits_at, kind, projection, chunk_size)
+            rows = batch_features(hidden, batch["labels"], logits_at, kind, projection, chunk_size)
+    if adapters is not None:  # the backward runs outside the gather: ZeRO-3's own hooks gather what it needs
+        with torch.enable_grad():
+            rows = adapter_rows(hidden, hidden_gradient, adapters.capture, adapters.projections), counts == 0
     timings["forward"] = timings.get("forward", 0.0) + forwarded - started
     timings["features"] = timings.get("features", 0.0) + time.perf_counter() - forwarded
     return rows
@@ -194,21 +179,6 @@ def _device_of(engine: Any, model: torch.nn.Module) -> torch.device:
 
 
 # --------------------------------------------------------------------------- the whole dataset
-def _batches_of(shards: Sequence[int], bounds: Callable[[int], tuple[int, int]], batch_size: int,
-                lengths: Optional[np.ndarray]) -> list[tuple[int, np.ndarray]]:
-    """(shard, sample indices) batches, fixed in advance: a shard's samples in order of length (ties by index),
-    cut every `batch_size`, so samples of similar length share a batch and little is padded. Batches never
-    cross a shard, so a shard is done after its batches. `lengths` None: index order (full-width batches)."""
-    batches = []
-    for shard in shards:
-        start, stop = bounds(shard)
-        members = np.arange(start, stop, dtype=np.int64)
-        if lengths is not None:
-            members = members[np.argsort(lengths[start:stop], kind="stable")]
-        batches += [(shard, members[first:first + batch_size]) for first in range(0, members.size, batch_size)]
-    return batches
-
-
 def _prepare_store(store: FeatureStore, manifest: StoreManifest, overwrite: bool, ranks: Collectives) -> list[int]:
     """Rank 0 creates or checks the store, every rank then checks it; returns the shards left to compute."""
     ranks.run_agreed("preparing the feature store", lambda: store.prepare(manifest, overwrite=overwrite), only_rank=0)
@@ -247,6 +217,8 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
     dim = kind_object.resolve_dim(dim, vocab, hidden)
     projection = kind_object.projection(dim, vocab, hidden, seed)
     projection = projection.to(_device_of(engine, model)) if projection is not None else None
+    adapters = (Adapters.of(model, dim, seed, _device_of(engine, model)) if kind_object.adapter_gradients
+                else None)
     feature_store = FeatureStore(store) if isinstance(store, (str, Path)) else store
     fingerprint = (fingerprint or dataset_fingerprint(dataset)) if feature_store else ""
     manifest = StoreManifest(kind=kind, dim=dim, seed=seed, normalize=normalize,
@@ -255,15 +227,16 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
                              batching=BATCHING_BY_LENGTH if pad_to_longest else BATCHING_FULL_WIDTH)
     pending = (_prepare_store(feature_store, manifest, overwrite, collectives) if feature_store is not None
                else list(range(manifest.num_shards)))
-
     timings: dict[str, float] = {}
 
     def rows_of(batch: dict[str, torch.Tensor], capture: _OutputLayerInput) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, empty = _batch_rows(engine, model, layer, capture, batch, kind_object, projection, chunk_size, timings)
+        rows, empty = _batch_rows(engine, model, layer, capture, batch, kind_object, projection, chunk_size, timings,
+                                  adapters)
         return (normalize_rows(rows) if normalize else rows), empty
 
-    computed = _compute_shards(model, layer, dataset, manifest, pending, batch_size, rows_of, feature_store,
-                               show_progress, on_shard_done, collectives, pad_to_longest)
+    with adapters if adapters is not None else contextlib.nullcontext():  # the adapters' hooks, for this pass
+        computed = _compute_shards(model, layer, dataset, manifest, pending, batch_size, rows_of, feature_store,
+                                   show_progress, on_shard_done, collectives, pad_to_longest)
     rows = None
     if sharded:
         collectives.barrier()  # every rank has written its shards

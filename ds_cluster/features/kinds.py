@@ -8,7 +8,10 @@ import here: the config reads the registry). Kinds (docs/design.md, "Features"):
   per-token output-layer gradients (the paper's feature, d = hidden size);
 - ``lm_head``: the exact per-sample gradient of the mean response-token loss
   with respect to the whole output matrix, G = mean_t (softmax_t - onehot_t) h_t^T,
-  projected to ``dim`` through its two factors (projection.py), never formed.
+  projected to ``dim`` through its two factors (projection.py), never formed;
+- ``lora``: the exact per-sample gradient of the mean response-token loss with
+  respect to every LoRA adapter matrix (the trainable parameters of a PEFT
+  model), each projected the same way and summed (adapters.py).
 
 R are the response positions (labels != -100 after the shift: position t
 predicts token t+1); `extract.batch_features` feeds them a chunk at a time.
@@ -35,6 +38,8 @@ class FeatureKind(ABC):
     summary: ClassVar[str]  # a few words for messages and docs
     # Whether the dimension is chosen (`feature_dim`, a random projection) rather than fixed by the model.
     projected: ClassVar[bool] = False
+    # Whether the feature is the gradient of the model's LoRA adapters (adapters.py) rather than the output layer's.
+    adapter_gradients: ClassVar[bool] = False
 
     @abstractmethod
     def resolve_dim(self, dim: Optional[int], vocab: int, hidden: int) -> int:
@@ -99,7 +104,29 @@ class LmHead(FeatureKind):
         return (weights[:, None, None] * out_factor.unsqueeze(2) * in_factor.unsqueeze(1)).flatten(1)
 
 
-_KINDS = (Proxy(), LmHead())
+class Lora(FeatureKind):
+    """The per-sample gradient of every LoRA adapter matrix, each layer projected to `dim` and summed
+    (`ds_cluster.features.adapters`); the model must be a PEFT model with LoRA adapters."""
+
+    name = "lora"
+    summary = "the LoRA adapters' per-sample gradients, projected"
+    projected = True
+    adapter_gradients = True
+
+    def resolve_dim(self, dim: Optional[int], vocab: int, hidden: int) -> int:
+        if dim is None:
+            return DEFAULT_LM_HEAD_DIM
+        if dim < 1:
+            raise ValueError(f"feature_dim must be >= 1, got {dim}")
+        return dim
+
+    def contribution(self, log_probs: torch.Tensor, gold: torch.Tensor, hidden: torch.Tensor,
+                     weights: torch.Tensor, projection: Optional[KroneckerProjection]) -> torch.Tensor:
+        raise TypeError("kind 'lora' reads the adapters' gradients, not the output layer's: "
+                        "ds_cluster.features.adapters computes it")
+
+
+_KINDS = (Proxy(), LmHead(), Lora())
 
 
 def _unknown_kind(name: str) -> str:

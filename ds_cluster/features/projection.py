@@ -35,17 +35,18 @@ def gaussian_matrix(rows: int, cols: int, seed: int, tag: int) -> torch.Tensor:
     return out.mul_(1.0 / math.sqrt(cols))
 
 
-def factor_dim(dim: int, out_features: int, in_features: int) -> tuple[int, int]:
+def factor_dim(dim: int, out_features: int, in_features: int, larger: bool = False) -> tuple[int, int]:
     """Split `dim` into d_out * d_in for a (out_features x in_features) gradient.
 
     Among the divisor pairs, prefer those with d_out <= out_features and
     d_in <= in_features, and among them the pair that compresses both sides
-    by the most similar ratio.
+    by the most similar ratio. `larger`: `dim` may exceed the gradient's size
+    (a layer's projection that is summed with other layers', as the adapters' are).
     """
     if dim < 1:
         raise ValueError(f"dim must be >= 1, got {dim}")
     full = out_features * in_features
-    if dim > full:
+    if dim > full and not larger:
         raise ValueError(
             f"dim={dim} is larger than the gradient it projects: the output layer is "
             f"{out_features} x {in_features} = {full} values; choose dim <= {full}"
@@ -89,4 +90,17 @@ def kronecker_projection(dim: int, out_features: int, in_features: int, seed: in
     return KroneckerProjection(
         p_out=gaussian_matrix(out_features, d_out, seed, tag=0),
         p_in=gaussian_matrix(in_features, d_in, seed, tag=1),
+    )
+
+
+def layer_projection(dim: int, out_features: int, in_features: int, seed: int, layer: int) -> KroneckerProjection:
+    """The seeded projection of layer number `layer`'s (out_features x in_features) gradient to `dim` values,
+    independent of every other layer's (and of `kronecker_projection`'s): the sum of the layers' projections is
+    then a random projection of all of their gradients together. `dim` may exceed the layer's gradient size."""
+    if layer < 0:
+        raise ValueError(f"layer must be >= 0, got {layer}")
+    d_out, d_in = factor_dim(dim, out_features, in_features, larger=True)
+    return KroneckerProjection(
+        p_out=gaussian_matrix(out_features, d_out, seed, tag=2 + 2 * layer),
+        p_in=gaussian_matrix(in_features, d_in, seed, tag=3 + 2 * layer),
     )

@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=8)
     parser.add_argument("--store", default=None, help="store root; one sub-folder per kind")
     parser.add_argument("--kill-after", type=int, default=None)
+    parser.add_argument("--lora", type=int, default=0, help="LoRA adapters of this rank on the tiny Llama (peft)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -35,14 +36,15 @@ def main() -> None:
 
     from ds_cluster.distributed import collectives, get_rank, init_distributed, shutdown
     from ds_cluster.features.extract import model_fingerprint, run_extraction
-    from tests.workers.feature_fixtures import tiny_llama, token_dataset
+    from tests.workers.feature_fixtures import tiny_llama, tiny_lora_llama, token_dataset
 
     init_distributed()
     rank = get_rank()
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                  "zero_optimization": {"stage": args.zero}, "steps_per_print": 10**9}
     # Built outside zero.Init so every stage starts from the same seeded weights.
-    engine, *_ = deepspeed.initialize(model=tiny_llama(seed=0), config=ds_config)
+    model = tiny_lora_llama(seed=0, rank=args.lora) if args.lora else tiny_llama(seed=0)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
     dataset = token_dataset(args.num_samples, seed=4, empty=[5])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -56,7 +58,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     for kind in args.kinds.split(","):
-        result = run_extraction(engine, dataset, kind=kind, dim=args.dim if kind == "lm_head" else None,
+        result = run_extraction(engine, dataset, kind=kind, dim=args.dim if kind != "proxy" else None,
                                 batch_size=args.batch_size, shard_size=args.shard_size, seed=3,
                                 store=Path(args.store) / kind if args.store else None, show_progress=rank == 0,
                                 on_shard_done=crash_after_k_shards, collectives=collectives())

@@ -43,3 +43,17 @@ def token_dataset(num_samples: int, seed: int = 0, seq_len: int = SEQ_LEN, vocab
             labels[prompt:length] = input_ids[prompt:length]
         samples.append({"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels})
     return samples
+
+
+def tiny_lora_llama(seed: int = 0, rank: int = 4) -> torch.nn.Module:
+    """`tiny_llama` with LoRA adapters of rank `rank` on every projection (peft), its lora_B matrices drawn at
+    random (seeded) instead of peft's zeros, so both adapter matrices have non-zero gradients."""
+    from ds_cluster.data.models import with_lora
+
+    model = with_lora(tiny_llama(seed), rank)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    return model.eval()

@@ -1,0 +1,52 @@
+"""How the features pass batches a dataset: samples of similar length together, each batch cut to its longest row,
+fixed in advance so a resumed feature store matches an uninterrupted one."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ds_cluster.data.dataset import trim_padding
+
+
+def _collate(dataset: Sequence[dict], indices: Sequence[int], trim: bool = True) -> dict[str, torch.Tensor]:
+    """A batch of the samples `indices`, cut to its longest row (`trim_padding`) when `trim`.
+
+    Under causal attention no real position sees the padding on its right, so a row's features do not
+    depend on the width but in the last bits of float rounding; a sample's batch is fixed in advance
+    (`_batches_of`), so a resumed store matches an uninterrupted one exactly.
+    """
+    items = [dataset[int(index)] for index in indices]
+    batch = {key: torch.stack([torch.as_tensor(item[key]) for item in items])
+             for key in ("input_ids", "attention_mask", "labels")}
+    return trim_padding(batch) if trim else batch
+
+
+def sample_lengths(dataset: Sequence[dict]) -> np.ndarray:
+    """Each sample's width up to its last attended position: int64 (N,). Read from the dataset's own
+    `attention_mask` tensor when it has one (InstructionDataset), else item by item."""
+    mask = getattr(dataset, "attention_mask", None)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == len(dataset):
+        positions = torch.arange(1, mask.shape[1] + 1)
+        return (mask.bool() * positions).max(dim=1).values.numpy().astype(np.int64)
+    lengths = np.zeros(len(dataset), dtype=np.int64)
+    for index in range(len(dataset)):
+        attended = torch.as_tensor(dataset[index]["attention_mask"]).nonzero()
+        lengths[index] = int(attended.max()) + 1 if attended.numel() else 0
+    return lengths
+
+
+def _batches_of(shards: Sequence[int], bounds: Callable[[int], tuple[int, int]], batch_size: int,
+                lengths: Optional[np.ndarray]) -> list[tuple[int, np.ndarray]]:
+    """(shard, sample indices) batches, fixed in advance: a shard's samples in order of length (ties by index),
+    cut every `batch_size`, so samples of similar length share a batch and little is padded. Batches never
+    cross a shard, so a shard is done after its batches. `lengths` None: index order (full-width batches)."""
+    batches = []
+    for shard in shards:
+        start, stop = bounds(shard)
+        members = np.arange(start, stop, dtype=np.int64)
+        if lengths is not None:
+            members = members[np.argsort(lengths[start:stop], kind="stable")]
+        batches += [(shard, members[first:first + batch_size]) for first in range(0, members.size, batch_size)]
+    return batches
