@@ -72,15 +72,15 @@ class Collectives:
         self.agree_on_error(error, what)
         return result
 
-    def check_agreement(self, value: Any, what: str) -> None:
-        """Raise on every rank, naming the ranks that differ from rank 0, if the values disagree."""
+    def check_agreement(self, value: Any, what: str,
+                        fix: str = "Every rank must see the same data, config and analysis directory.") -> None:
+        """Raise on every rank, naming the ranks that differ from rank 0 and `fix`, if the values disagree."""
         values = self.gather(value)
         differing = [rank for rank, other in enumerate(values) if other != values[0]]
         if differing:
             detail = ", ".join(f"rank {rank}: {values[rank]!r}" for rank in [0] + differing)
             raise RuntimeError(
-                f"ranks disagree on the {what}: ranks {differing} differ from rank 0 ({detail}). "
-                "Every rank must see the same data, config and analysis directory."
+                f"ranks disagree on the {what}: ranks {differing} differ from rank 0 ({detail}). {fix}"
             )
 
     def barrier(self) -> None:

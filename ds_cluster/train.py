@@ -29,7 +29,7 @@ import torch
 import ds_cluster
 from ds_cluster import distributed
 from ds_cluster.data.dataset import DEFAULT_MAX_LENGTH, load_instruction_dataset, trim_padding_collate
-from ds_cluster.data.models import load_model_and_tokenizer
+from ds_cluster.data.models import load_model_and_tokenizer, with_lora
 from ds_cluster.ds_config import BLOCK_PATH, read_ds_config
 from ds_cluster.fileio import write_json_atomic
 from ds_cluster.integrations.loop import LoopHooks, LoopResult, train_loop
@@ -61,6 +61,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="checkpoint every N optimizer steps (0: no checkpoints)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
     parser.add_argument("--bf16", action="store_true", help="turn on bf16 in the DeepSpeed config")
+    parser.add_argument("--lora", type=int, default=0, metavar="R",
+                        help="train LoRA adapters of rank R on every linear layer of the transformer blocks instead "
+                             "of the whole model (peft: pip install 'ds_cluster[peft]'; 0, the default: every "
+                             "parameter trains)")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling alpha (default 2 x R)")
+    parser.add_argument("--lora-seed", type=int, default=0,
+                        help="seed of the LoRA adapters' random start (peft draws lora_A at random): the same in "
+                             "every launch, so a job and its rerun train the same model")
     parser.add_argument("--trace", action="store_true", help="write every micro-step's indices and loss per rank")
     parser.add_argument("--save-model", default=None, metavar="DIR",
                         help="at the end, save the trained model and tokenizer as a Hugging Face folder (rank 0; "
@@ -199,13 +207,19 @@ def main(argv=None) -> int:
     config = prepare_config(args)
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
     model, tokenizer = load_model_and_tokenizer(args.model, ds_config=config, dtype=dtype)
+    if args.lora:
+        # Seeded, and only here (fork_rng): torch's default generator starts from another seed in every process.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.lora_seed)
+            model = with_lora(model, args.lora, args.lora_alpha)
     dataset = load_instruction_dataset(args.data, tokenizer, max_length=args.max_length)
 
     ds_cluster.install()  # the one line: deepspeed.initialize now returns the cluster-balanced loader
     run_steps = {"total": 0}
     made: dict[str, Any] = {}  # the loader, once deepspeed.initialize has built it
     scheduler = lr_scheduler(args, run_steps, made)
-    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=trainable,
                                                 training_data=dataset, config=config, lr_scheduler=scheduler,
                                                 collate_fn=trim_padding_collate)
     made["loader"] = loader

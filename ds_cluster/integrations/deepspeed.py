@@ -135,6 +135,8 @@ def _initialize(original: Callable, *args: Any, **kwargs: Any):
     # Checked before the engine is built: a bad set-up fails in seconds, not after the model is sharded.
     # With model parallelism (an mpu) the data-parallel size is not the world size: DeepSpeed checks it.
     cluster_setup.check(world_size=None if arguments.get("mpu") is not None else distributed.get_world_size())
+    if arguments.get("model") is not None:
+        cluster_setup.check_model(arguments["model"])
 
     engine, optimizer, _, lr_scheduler = original(**arguments)
     adapter = hook_adapter(engine, collate_fn)

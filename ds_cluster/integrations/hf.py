@@ -166,6 +166,7 @@ class ClusterSamplingMixin:
         self.cluster_setup = ClusterSetup(self.cluster_config, self.cluster_plan_dataset(),
                                           everyone=adapter.data_parallel, ds_config=ds_config,
                                           source=str(self.args.deepspeed) if self.args.deepspeed else "cluster_config")
+        self.cluster_setup.check_model(self.model)
         self.cluster_loader = self.cluster_setup.build_loader(adapter, check_world_size=adapter.shape.world_size)
         self._sum_over_ranks = adapter.data_parallel.sum
         self.plan = self.cluster_loader.plan

@@ -130,6 +130,21 @@ class ClusterSetup:
                                       "whether cluster_sampling.analysis_path holds an analysis")
         self._checked = True
 
+    def check_model(self, model: Any) -> None:
+        """Collective: the model has parameters to train, and every rank trains the same ones (their names and
+        shapes, and a PEFT model's adapter configuration), or an error on every rank."""
+        def trainable() -> None:
+            if not any(param.requires_grad for param in model.parameters()):
+                raise ValueError(f"{type(model).__name__} has no trainable parameters (every one has requires_grad "
+                                 "False; a PEFT model whose adapters are frozen?): there is nothing to train. Give "
+                                 "the adapters requires_grad, or train another model")
+
+        self.everyone.run_agreed("checking the model's trainable parameters", trainable)
+        self.everyone.check_agreement(trainable_signature(model),
+                                      "trainable parameters (names and shapes) and adapter configuration",
+                                      "Every rank must build and wrap the model the same way (the same model, the "
+                                      "same peft config and target modules, the same layers frozen).")
+
     @property
     def analysis(self) -> AnalysisDir:
         if not self.config.analysis_path:
@@ -257,6 +272,30 @@ class ClusterSetup:
                 raise ValueError(f"{where}: {err}") from None
 
         self.everyone.run_agreed("restoring the cluster sampler state", restore)
+
+
+def trainable_signature(model: Any) -> str:
+    """A short hash of what trains: every trainable parameter's name and full shape (ZeRO-3's too), and a PEFT
+    model's adapter configurations; the same on every rank of a sound job."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            digest.update(f"{name}:{tuple(getattr(param, 'ds_shape', param.shape))};".encode())
+    adapters = getattr(model, "peft_config", None)
+    if isinstance(adapters, Mapping):
+        for adapter, config in sorted(adapters.items()):
+            values = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+            digest.update(f"{adapter}={json.dumps(values, sort_keys=True, default=_ordered)}".encode())
+    return digest.hexdigest()[:16]
+
+
+def _ordered(value: Any) -> Any:
+    """JSON for what json cannot write: a set in sorted order (peft keeps target_modules as a set, whose order
+    follows each process's string hashing), anything else as its text."""
+    return sorted(map(str, value)) if isinstance(value, (set, frozenset)) else str(value)
 
 
 def check_training_data(training_data: Any) -> None:

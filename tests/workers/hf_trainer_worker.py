@@ -18,13 +18,13 @@ from ds_cluster import distributed
 from ds_cluster.data.dataset import load_instruction_dataset
 from ds_cluster.ds_config import read_ds_config
 from ds_cluster.integrations.hf import ClusterTrainer
-from ds_cluster.data.models import load_model_and_tokenizer
+from ds_cluster.data.models import load_model_and_tokenizer, with_lora
 
 
 class TraceMixin:
-    """Writes each micro-batch's sample indices and loss to a per-rank JSONL (`trace_path`), from compute_loss."""
+    """Writes each micro-batch's sample indices and loss to a per-rank JSONL in `trace_dir`, from compute_loss."""
 
-    trace_path: Path
+    trace_dir: Path
 
     def compute_loss(self, model, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch=None):
         loss = super().compute_loss(model, inputs, return_outputs=return_outputs,  # type: ignore[misc]
@@ -32,7 +32,9 @@ class TraceMixin:
         value = loss[0] if return_outputs else loss
         record = {"step": self.state.global_step, "indices": inputs["sample_index"].tolist(),  # type: ignore[attr-defined]
                   "loss": float(value.detach().float())}
-        with open(self.trace_path, "a", encoding="utf-8") as handle:
+        # The rank asked here, not before training: under a bare mpirun Trainer leaves the process group down (at
+        # ZeRO 0-2) until ClusterTrainer starts it, and RANK is not set.
+        with open(self.trace_dir / f"rank{distributed.get_rank()}.jsonl", "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
         return loss
 
@@ -69,6 +71,7 @@ def worker_arguments() -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, required=True)
     parser.add_argument("--save-steps", type=int, required=True)
     parser.add_argument("--resume", default=None, help="checkpoint folder to resume from")
+    parser.add_argument("--lora", type=int, default=0, help="train LoRA adapters of this rank (a peft PeftModel)")
     parser.add_argument("--local_rank", type=int, default=-1)
     return parser.parse_args()
 
@@ -79,6 +82,8 @@ def main() -> None:
     # TrainingArguments first: it starts the process group and, under ZeRO-3, makes the model build partitioned.
     training_args = training_arguments(args.deepspeed, out, args.max_steps, args.save_steps)
     model, tokenizer = load_model_and_tokenizer(args.model)
+    if args.lora:
+        model = with_lora(model, args.lora)
     dataset = load_instruction_dataset(args.data, tokenizer, max_length=64)
     trainer = TracingClusterTrainer(model=model, args=training_args, train_dataset=dataset)
     train_traced(trainer, out, args.resume)
@@ -89,10 +94,10 @@ def main() -> None:
 def train_traced(trainer: Any, out: Path, resume: Any) -> int:
     """Train with a per-rank trace in OUT/trace; rank 0 writes the plan's fingerprint. Returns the rank."""
     (out / "trace").mkdir(parents=True, exist_ok=True)
-    # The process group's rank: Accelerate counts one process for DeepSpeed on CPU.
-    rank = distributed.get_rank()
-    trainer.trace_path = out / "trace" / f"rank{rank}.jsonl"
+    trainer.trace_dir = out / "trace"
     trainer.train(resume_from_checkpoint=resume)
+    # The process group's rank (Accelerate counts one process for DeepSpeed on CPU), once training has started it.
+    rank = distributed.get_rank()
     if rank == 0:
         (out / "plan_fingerprint.txt").write_text(trainer.plan.fingerprint())
     return rank

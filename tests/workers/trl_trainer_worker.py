@@ -7,7 +7,8 @@ SFTTrainer itself. Each rank appends {"step", "indices", "loss"} per
 micro-batch to OUT/trace/rank<R>.jsonl from inside compute_loss, i.e. what the
 model really saw after SFTTrainer's, Trainer's and Accelerate's data handling.
 Rank 0 writes OUT/plan_fingerprint.txt and OUT/run.json (rows, the plan's
-summary, labels, cluster sizes and settings, what computing the analysis cost, Trainer's log history).
+summary, labels, cluster sizes and settings, what computing the analysis cost, Trainer's log history, the
+class of the model that trained and its trainable parameters' names).
 """
 from __future__ import annotations
 
@@ -54,13 +55,22 @@ def main() -> None:
     # SFTConfig first: it starts the process group and, under ZeRO-3, makes the model build partitioned.
     training_args = sft_config(args.deepspeed, out, args.max_steps, args.save_steps)
     model, tokenizer = load_model_and_tokenizer(args.model)
+    # With --lora, SFTTrainer wraps the model itself (peft_config), as a TRL user's LoRA job does.
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear",
+                                 lora_dropout=0.0, task_type="CAUSAL_LM")
     trainer = TracingClusterSFTTrainer(model=model, args=training_args, processing_class=tokenizer,
-                                       train_dataset=prompt_completion_dataset(args.data))
+                                       train_dataset=prompt_completion_dataset(args.data), peft_config=peft_config)
     if train_traced(trainer, out, args.resume) == 0:
         (out / "run.json").write_text(json.dumps({
             "num_rows": len(trainer.train_dataset), "plan": trainer.plan.summary(),
             "labels": trainer.plan.labels.tolist(), "cluster_sizes": trainer.plan.cluster_sizes.tolist(), "settings": trainer.plan.settings,
-            "analysis_timings": trainer.cluster_loader.analysis_timings, "log_history": trainer.state.log_history}))
+            "analysis_timings": trainer.cluster_loader.analysis_timings, "log_history": trainer.state.log_history,
+            "model_class": type(trainer.model).__name__,
+            "trainable": [name for name, param in trainer.model.named_parameters() if param.requires_grad]}))
     del trainer
     distributed.shutdown()
 
