@@ -2,7 +2,8 @@
 
     python bench/extraction_memory.py            # writes bench/results/extraction_memory.{json,md}
 
-A one-layer Llama with a 128k vocabulary, one sample whose answer is 4,096 tokens, both feature kinds.
+A one-layer Llama with a 128k vocabulary, one sample whose answer is 4,096 tokens, every feature kind (for
+lora, with rank-8 adapters on every projection).
 Each case runs in its own process (peak resident memory from getrusage) with the softmax taken
 `chunk` positions at a time; chunk = the whole answer is the unchunked reference. The features of
 every chunk size are compared with the reference.
@@ -34,6 +35,10 @@ def one_case(kind: str, chunk: int, out: Path) -> None:
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=PROMPT + ANSWER + 8,
                          tie_word_embeddings=False)
     model = LlamaForCausalLM(config).eval()
+    if feature_kind(kind).adapter_gradients:  # the lora kind reads adapters: rank 8 on every projection
+        from ds_cluster.data.models import with_lora
+
+        model = with_lora(model, 8).eval()
     length = PROMPT + ANSWER
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(3, VOCAB, (length,), generator=generator)

@@ -13,7 +13,10 @@ One process, one thread (the benchmark's ranks run one thread each). For every m
 - a training step (forward, backward, AdamW) at full width and padded to the longest row, fp32 and bf16
   autocast: real tokens per second;
 - the features' agreement: padded against full width (max absolute difference; k-means labels at K = 8), bf16
-  against fp32 (smallest cosine similarity of a row; k-means labels).
+  against fp32 (smallest cosine similarity of a row; k-means labels);
+- with LoRA adapters of rank 8 on every projection (peft): the lora features pass (dim 1024, a forward and a
+  backward to the adapters per batch) in fp32 and bf16, and a LoRA training step (only the adapters train) in fp32
+  and bf16 autocast, beside the full fine-tuning step.
 
 Writes bench/results/feature_cost.{json,md}. SmolLM2 is skipped, saying so, when its folder does not exist
 (`python -m bench.real.smollm2`).
@@ -37,11 +40,12 @@ import torch  # noqa: E402
 from bench.real import STORIES260K_DIR, T0_DIR  # noqa: E402
 from ds_cluster.clustering.kmeans import cluster_features  # noqa: E402
 from ds_cluster.data.dataset import InstructionDataset, read_records, trim_padding  # noqa: E402
-from ds_cluster.data.models import load_model_and_tokenizer  # noqa: E402
+from ds_cluster.data.models import load_model_and_tokenizer, with_lora  # noqa: E402
 from ds_cluster.features.extract import run_extraction  # noqa: E402
 
 BATCH = 8
 DIM = 1024
+LORA_RANK = 8
 TRAIN_STEPS = 6
 MODELS = {"stories260K": (STORIES260K_DIR, 160), "SmolLM2-135M-Instruct": (REPO / ".cache" / "smollm2-135m-instruct", 136)}
 
@@ -74,7 +78,7 @@ def forward_seconds(model: torch.nn.Module, batches: list[dict]) -> float:
 
 
 def train_tokens_per_s(model: torch.nn.Module, batches: list[dict], bf16: bool) -> float:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-5)
     model.train()
     used = batches[1:TRAIN_STEPS + 1]
 
@@ -130,6 +134,24 @@ def measure(name: str, folder: Path, max_length: int, records: list[dict]) -> di
     row["bf16_vs_fp32_kmeans_identical"] = labels_agree(padded_rows, bf16_rows)
     row["features_bf16_over_forward_bf16"] = row["features_padded_bf16_s"] / row["forward_bf16_s"]
     row["features_0_3_over_forward_bf16"] = row["features_full_width_fp32_s"] / row["forward_bf16_s"]
+    row.update(measure_lora(folder, dataset, padded))
+    return row
+
+
+def measure_lora(folder: Path, dataset: InstructionDataset, padded: list[dict]) -> dict[str, Any]:
+    """The lora features pass and a LoRA training step, fp32 and bf16, on fresh weights with rank-8 adapters."""
+    row: dict[str, Any] = {"lora_rank": LORA_RANK}
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        model = with_lora(load_model_and_tokenizer(folder, rank=0, dtype=dtype)[0], LORA_RANK).eval()
+        row["lora_trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        result = run_extraction(model, dataset, kind="lora", dim=DIM, batch_size=BATCH, shard_size=512,
+                                show_progress=False)
+        row[f"features_lora_{precision}_s"] = result.seconds
+        row[f"features_lora_{precision}_forward_s"] = result.timings["forward"]
+        row[f"features_lora_{precision}_math_s"] = result.timings["features"]
+    model = with_lora(load_model_and_tokenizer(folder, rank=0)[0], LORA_RANK)
+    row["train_lora_padded_fp32_tok_s"] = train_tokens_per_s(model, padded, bf16=False)
+    row["train_lora_padded_bf16_autocast_tok_s"] = train_tokens_per_s(model, padded, bf16=True)
     return row
 
 
@@ -151,10 +173,23 @@ def markdown(rows: list[dict], command: str, skipped: list[str]) -> str:
             seconds = row[f"features_{label}_s"]
             lines.append(f"| {title} | {seconds:.2f} | {row[f'features_{label}_forward_s']:.2f} | "
                          f"{row[f'features_{label}_math_s']:.2f} | {seconds / row['forward_bf16_s']:.2f} |")
-        lines += ["", "| training step | real tokens / s |", "|---|---|",
-                  f"| fp32, full width | {row['train_full_width_fp32_tok_s']:.0f} |",
-                  f"| fp32, padded to the longest row | {row['train_padded_fp32_tok_s']:.0f} |",
-                  f"| bf16 autocast, padded | {row['train_padded_bf16_autocast_tok_s']:.0f} |", "",
+        for precision in ("fp32", "bf16"):
+            seconds = row[f"features_lora_{precision}_s"]
+            lines.append(f"| lora features (rank {row['lora_rank']}), {precision}, padded | {seconds:.2f} | "
+                         f"{row[f'features_lora_{precision}_forward_s']:.2f} | "
+                         f"{row[f'features_lora_{precision}_math_s']:.2f} | {seconds / row['forward_bf16_s']:.2f} |")
+        lines += ["", "The lora pass's \"feature math\" column is the backward to the adapters and the projection.",
+                  "", "| training step | real tokens / s | / full fine-tuning, same precision |", "|---|---|---|",
+                  f"| fp32, full width | {row['train_full_width_fp32_tok_s']:.0f} | |",
+                  f"| fp32, padded to the longest row | {row['train_padded_fp32_tok_s']:.0f} | 1.00 |",
+                  f"| bf16 autocast, padded | {row['train_padded_bf16_autocast_tok_s']:.0f} | 1.00 |",
+                  f"| LoRA rank {row['lora_rank']} ({row['lora_trainable_parameters']} trainable), fp32, padded | "
+                  f"{row['train_lora_padded_fp32_tok_s']:.0f} | "
+                  f"{row['train_lora_padded_fp32_tok_s'] / row['train_padded_fp32_tok_s']:.2f} |",
+                  f"| LoRA rank {row['lora_rank']}, bf16 autocast, padded | "
+                  f"{row['train_lora_padded_bf16_autocast_tok_s']:.0f} | "
+                  f"{row['train_lora_padded_bf16_autocast_tok_s'] / row['train_padded_bf16_autocast_tok_s']:.2f} |",
+                  "",
                   f"Features padded against full width: max absolute difference {row['padded_vs_full_max_abs_diff']:.2e}, "
                   f"k-means labels (K = 8) identical: {row['padded_vs_full_kmeans_identical']}. bf16 against fp32: "
                   f"smallest cosine of a row {row['bf16_vs_fp32_min_cosine']:.4f}, k-means labels identical: "
