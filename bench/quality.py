@@ -13,6 +13,9 @@
     python bench/quality.py --gate-only           # only the calibration gate's arms
     python bench/quality.py --choose              # the candidates for the recommended preset, validation only
     python bench/quality.py --choose-overhead     # the adaptive schedule's window and probe size, under 1% of the loop
+    python bench/quality.py --model smollm2 --validation-only --seeds 4 --recipe micro_batch_size=4,...
+                                                  # a power pilot of a SmolLM2 recipe (bench/candidates.json's
+                                                  # "smollm2_power"; `python -m bench.harness.power` reads it)
     python bench/quality.py --report-only         # rebuild the report from finished arms
     python bench/quality.py --base-model DIR      # another base model (a Hugging Face checkpoint folder)
     python bench/quality.py --arms random,recommended --no-ablations   # only these arms beside full data
@@ -93,7 +96,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="choose the adaptive schedule's window and probe size among bench/candidates.json's "
                              "\"adaptive_overhead\" list: the lowest macro validation loss among those whose loader "
                              "share of the training loop is under 1%%, T0 validation only")
-    parser.add_argument("--seeds", type=int, default=len(Settings.seeds), help="paired seeds (default 4)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="paired seeds (default 4; the SmolLM2 instrument's own recipe otherwise)")
     parser.add_argument("--work-dir", type=Path, default=None, help="default runs/bench_[real_]NAME")
     parser.add_argument("--results-dir", type=Path, default=None,
                         help="default bench/results/real (bench/results with --synthetic)")
@@ -115,6 +119,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              "preset without weights, with random and core selection, K 4 and 8, no capacity cap, "
                              "and recommended with sample loss, at the headline fraction on every seed, each beside "
                              "a random subset of its kept count (run it as its own --name, e.g. quality_ablations)")
+    parser.add_argument("--validation-only", action="store_true",
+                        help="evaluate and report the validation split only: a pilot that chooses a recipe (bench/"
+                             "candidates.json's \"smollm2_power\"), so held-out is never seen while choosing")
     parser.add_argument("--no-ablations", action="store_true", help="leave out the ablation rows")
     parser.add_argument("--fractions", default=None, metavar="F,...",
                         help="the kept fractions of the subset arms (default 0.3,0.5); the adaptive schedule's "
@@ -151,6 +158,8 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
         settings = replace(settings, ablations=False)
     if args.equal_steps:
         settings = replace(settings, equal_steps=True)
+    if args.validation_only:
+        settings = replace(settings, validation_only=True)
     if args.recipe:
         pairs = dict(item.split("=", 1) for item in args.recipe.split(","))
         settings = replace(settings, **{key: type(getattr(settings, key))(value) for key, value in pairs.items()})
@@ -175,7 +184,7 @@ def _instrument(args: argparse.Namespace, argv: Optional[list[str]], choosing: O
     command = " ".join(["python bench/quality.py"] + [a for a in given if a != "--report-only"])
     if "--report-only" in given:
         command += "; report rebuilt with --report-only"
-    settings = Settings(command=command, results_name=name, seeds=tuple(range(args.seeds)))
+    settings = Settings(command=command, results_name=name)
     if args.synthetic:
         settings = replace(settings, **SYNTHETIC_RECIPE)
     prefix = "bench_" if args.synthetic else "bench_smollm2_" if args.model == "smollm2" else "bench_real_"
@@ -184,6 +193,8 @@ def _instrument(args: argparse.Namespace, argv: Optional[list[str]], choosing: O
             raise SystemExit("--model smollm2 is a real instrument: leave out --synthetic")
         name = name.replace("quality", "quality_smollm2", 1) if args.name == "quality" else name
         settings = replace(settings, **SMOLLM2_RECIPE, results_name=name)
+    if args.seeds is not None:  # after the recipe: a pilot's or a grid's own seed count wins over the recipe's
+        settings = replace(settings, seeds=tuple(range(args.seeds)))
     return replace(settings, data=args.data or settings.data, base_model=args.base_model or settings.base_model,
                    results_dir=args.results_dir or settings.results_dir,
                    work_dir=args.work_dir or REPO / "runs" / f"{prefix}{name}")
@@ -236,7 +247,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if code != 0:
             logger.error("the benchmark job exited %d; see %s", code, settings.work_dir / "job.log")
             return code
-    report = write_report(settings, data, arms, validation_only=bool(settings.candidates))
+    report = write_report(settings, data, arms, validation_only=bool(settings.candidates) or settings.validation_only)
     logger.info("%s (%.1f min)", report["markdown_path"], (time.time() - started) / 60)
     return 0
 

@@ -745,3 +745,38 @@ def test_an_arm_round_trips_through_its_json_and_carries_what_it_was_built_as(tm
     assert found["paper_budget_ratio-0.25"].random == "random_as_paper_budget_ratio-0.25"
     assert found["full"] == type(found["full"])(None, None, None, None) and found["auto"].random is None
 
+
+
+def test_a_power_pilot_is_validation_only_with_its_own_seed_count_and_recipe(tmp_path):
+    """--model smollm2 --validation-only --seeds 4 --recipe ...: the job evaluates validation only (held-out is never
+    seen while choosing), on 4 seeds (not the recipe's 3), with the pilot's batch."""
+    write_mixture(tmp_path / "data", seed=5, total=240, heldout_per_family=3)
+    argv = ["--model", "smollm2", "--data", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work"),
+            "--validation-only", "--seeds", "4", "--arms", "full_cut,random",
+            "--recipe", "micro_batch_size=4,gradient_accumulation_steps=1,train_fraction=0.5"]
+    settings = _settings(argv)
+    assert settings.seeds == (0, 1, 2, 3) and settings.validation_only and settings.train_fraction == 0.5
+    spec = _spec(settings)
+    assert spec["evaluate_splits"] == ["validation"]
+    assert spec["ds_config"]["train_micro_batch_size_per_gpu"] == 4
+    assert spec["ds_config"]["gradient_accumulation_steps"] == 1
+    assert _settings(argv[:-6] + ["--seeds", "8"]).seeds == tuple(range(8))
+    assert "heldout" in _spec(_settings([a for a in argv if a != "--validation-only"]))["evaluate_splits"]
+
+
+def test_the_power_projection_rescales_a_pilots_interval_to_more_seeds():
+    """A half-width over n seeds is t(n-1) sd / sqrt(n): the projection keeps sd and changes n."""
+    from bench.harness.power import power_rows, projected_half_width
+
+    assert projected_half_width(0.1, 4, 4) == pytest.approx(0.1)
+    # sd = 0.1 x 2 / 3.182; at 8 seeds: 2.365 x sd / sqrt(8)
+    assert projected_half_width(0.1, 4, 8) == pytest.approx(2.365 * (0.2 / 3.182) / math.sqrt(8))
+    with pytest.raises(ValueError, match="at least 2 seeds"):
+        projected_half_width(0.1, 1, 8)
+    summary = {"settings": {
+        "full_cut_f0.3": {"vs_random": {"loss_macro": {"mean": 0.02, "ci": 0.08, "n": 4}}},
+        "recommended_small_f0.3": {"vs_random": {"loss_macro": {"mean": -0.01, "ci": 0.05, "n": 4}}}}}
+    rows = power_rows(summary, target_seeds=8)
+    assert [row["setting"] for row in rows] == ["full_cut_f0.3", "recommended_small_f0.3"]
+    assert [row["within_goal"] for row in rows] == [False, True]
+    assert power_rows({"settings": {}}) == []

@@ -102,6 +102,7 @@ class Settings:
     ablations: bool = False
     equal_steps: bool = False
     gate_only: bool = False
+    validation_only: bool = False  # evaluate and report validation only (a pilot that chooses; never held-out)
     heldout_per_family: Optional[int] = None
     copy_probe_records: int = 200
     smollm2: Optional[Path] = SMOLLM2_DIR

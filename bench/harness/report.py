@@ -238,7 +238,11 @@ def _feature_source_section(settings: Settings, work: Path, arms: Sequence[Arm],
 
 def _loader_sections(arms: Sequence[Arm], results: Mapping[str, dict]) -> list[str]:
     """Every arm's wall time, the loader's share of the loop overall, and per setting beside the adaptive ones."""
-    lines = ["## Wall time per arm", "", arm_wall_table(results, arms), ""]
+    lines = ["## Wall time per arm", "",
+             "Every arm is its own run, full data stopped at the subsets' step count (full_cut) included: its learning "
+             "rate warms up over the recipe's share of its own steps and decays by cosine to 0 at its own last step, never "
+             "a cut of a longer run's schedule (the learning-rate column: as the job recorded it).", "",
+             arm_wall_table(results, arms), ""]
     shares = [r["time"]["loader_wall"] / max(r["time"]["loop"]["wall"], 1e-9) for r in results.values()
               if "loader_wall" in r["time"]]
     if shares:

@@ -123,12 +123,22 @@ def arm_wall_table(results: Mapping[str, dict], arms: Sequence[Arm]) -> str:
     """Every arm's wall time: its training loop and its evaluation (the job's start-up and the selection are
     shared and listed above)."""
     by_name, order = {arm.name: arm for arm in arms}, setting_order(arms)
-    lines = ["| arm | steps | loop wall s | evaluation wall s |", "|---|---|---|---|"]
+    lines = ["| arm | steps | learning rate: highest seen, at its last step | loop wall s | evaluation wall s |",
+             "|---|---|---|---|---|"]
     for name in sorted(results, key=lambda n: (by_name[n].seed, order(by_name[n].setting))):
         result = results[name]
-        lines.append(f"| {name} | {result['steps']} | {result['time']['loop']['wall']:.1f} | "
+        lines.append(f"| {name} | {result['steps']} | {_schedule_cell(result)} | {result['time']['loop']['wall']:.1f} | "
                      f"{result['time']['evaluation']['wall']:.1f} |")
     return "\n".join(lines)
+
+
+def _schedule_cell(result: Mapping[str, Any]) -> str:
+    """The learning rates the job recorded (step 1, mid-run, the last two steps): the highest, and the last
+    step's, which is 0 when the arm's schedule decayed within its own horizon."""
+    rates = {int(step): rate for step, rate in result.get("learning_rate_at_step", {}).items()}
+    if not rates:
+        return "—"
+    return f"{max(rates.values()):.1e}, {rates[max(rates)]:.1e} (step {max(rates)})"
 
 
 def ablation_table(rows: Sequence[Mapping[str, Any]]) -> str:
