@@ -98,6 +98,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              "share of the training loop is under 1%%, T0 validation only")
     parser.add_argument("--seeds", type=int, default=None,
                         help="paired seeds (default 4; the SmolLM2 instrument's own recipe otherwise)")
+    parser.add_argument("--full-seeds", type=int, default=None, metavar="N",
+                        help="full data on the first N seeds only (default every seed; the subsets' arms are cheap, "
+                             "full data is not): its paired rows are over those seeds, and the report says so")
     parser.add_argument("--work-dir", type=Path, default=None, help="default runs/bench_[real_]NAME")
     parser.add_argument("--results-dir", type=Path, default=None,
                         help="default bench/results/real (bench/results with --synthetic)")
@@ -160,6 +163,10 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
         settings = replace(settings, equal_steps=True)
     if args.validation_only:
         settings = replace(settings, validation_only=True)
+    if args.full_seeds is not None:
+        if not 1 <= args.full_seeds <= len(settings.seeds):
+            raise SystemExit(f"--full-seeds: between 1 and the {len(settings.seeds)} seeds, got {args.full_seeds}")
+        settings = replace(settings, full_seeds=args.full_seeds)
     if args.recipe:
         pairs = dict(item.split("=", 1) for item in args.recipe.split(","))
         settings = replace(settings, **{key: type(getattr(settings, key))(value) for key, value in pairs.items()})

@@ -761,6 +761,18 @@ def test_a_power_pilot_is_validation_only_with_its_own_seed_count_and_recipe(tmp
     assert spec["ds_config"]["train_micro_batch_size_per_gpu"] == 4
     assert spec["ds_config"]["gradient_accumulation_steps"] == 1
     assert _settings(argv[:-6] + ["--seeds", "8"]).seeds == tuple(range(8))
+    # --full-seeds 1: full data only on the first seed (the gate's), the subsets' arms on all four.
+    from bench.harness.builders import build_arms
+    from bench.harness.data import prepare_data
+
+    fewer = _settings(argv + ["--full-seeds", "1"])
+    arms, _ = build_arms(fewer, prepare_data(fewer))
+    assert [arm.seed for arm in arms if arm.method == "full"] == [0]
+    assert sorted(arm.seed for arm in arms if arm.setting == "full_cut_f0.3") == [0, 1, 2, 3]
+    every, _ = build_arms(settings, prepare_data(settings))
+    assert sorted(arm.seed for arm in every if arm.method == "full") == [0, 1, 2, 3]
+    with pytest.raises(SystemExit, match="--full-seeds"):
+        _settings(argv + ["--full-seeds", "5"])
     assert "heldout" in _spec(_settings([a for a in argv if a != "--validation-only"]))["evaluate_splits"]
 
 

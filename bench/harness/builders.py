@@ -301,7 +301,8 @@ def build_arms(settings: Settings, data: PreparedData) -> tuple[list[Arm], dict[
         [k for k in settings.arms if k != "auto"]
     for seed in settings.seeds:
         # Choosing compares subsets only, unless an "auto" candidate needs full data's time beside it.
-        if seed != first and (not settings.candidates or automatic):
+        with_full = settings.full_seeds is None or settings.seeds.index(seed) < settings.full_seeds
+        if seed != first and (not settings.candidates or automatic) and with_full:
             arms.append(full_arm(builder, seed))
         for fraction in settings.fractions:
             for kind in (["random"] + kinds if settings.candidates else kinds):

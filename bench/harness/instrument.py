@@ -78,6 +78,7 @@ class Settings:
     micro_batch_size: int = 32
     zero_stage: int = 2  # ds_configs/zero{N}.json; fp32, so the stage changes the cost, not the arithmetic
     seeds: tuple[int, ...] = (0, 1, 2, 3)
+    full_seeds: Optional[int] = None  # full data on the first N seeds only (None: every seed); the gate's is always run
     fractions: tuple[float, ...] = (0.3, 0.5)
     headline_fraction: float = 0.3
     ablation_seeds: int = 2  # the synthetic instrument's ablations; the real one's run on every seed
