@@ -76,3 +76,37 @@ def test_two_zero3_steps_of_smollm2_on_two_cpu_ranks(smollm2_folder: Path, tmp_p
     for rank in range(2):
         losses = [record["loss"] for record in read_trace(out, rank)]
         assert len(losses) == 2 and all(math.isfinite(loss) and loss > 0 for loss in losses)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_the_smollm2_benchmark_instrument_trains_and_reports_its_gate_arms(smollm2_folder: Path, tmp_path: Path):
+    """`bench/quality.py --model smollm2` end to end on a few records a family: SmolLM2 in DeepSpeed's bf16 block,
+    ZeRO-0, 2 ranks, one epoch of full data and of the random 30% subset, their validation losses and the
+    report with each arm's wall time and learning-rate schedule (the grid itself takes hours: bench/README.md)."""
+    import gzip
+    import subprocess
+    import sys
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, per_family in (("train", 24), ("heldout", 2)):
+        records = read_records(T0_DIR / f"{name}.jsonl.gz")
+        kept = [r for family in sorted({r["family"] for r in records})
+                for r in [r for r in records if r["family"] == family][:per_family]]
+        with gzip.open(data / f"{name}.jsonl.gz", "wt", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(record) + "\n" for record in kept)
+    command = [sys.executable, str(REPO / "bench" / "quality.py"), "--model", "smollm2", "--base-model",
+               str(smollm2_folder), "--data", str(data), "--work-dir", str(tmp_path / "work"), "--results-dir",
+               str(tmp_path / "results"), "--name", "tiny", "--seeds", "1", "--test-epochs", "1",
+               "--recipe", "max_length=64,train_fraction=1.0,micro_batch_size=2,gradient_accumulation_steps=1"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    arms = {path.stem: json.loads(path.read_text()) for path in (tmp_path / "work" / "arms").glob("*.json")}
+    assert {"full_s0", "random_f0.3_s0"} <= set(arms)
+    for arm in ("full_s0", "random_f0.3_s0"):
+        losses = arms[arm]["validation"]["loss"]
+        assert losses and all(math.isfinite(loss) and loss > 0 for loss in losses.values()), arm
+    report = (tmp_path / "results" / "tiny.md").read_text()
+    assert "DeepSpeed's bf16 block" in report and "## Wall time per arm" in report
+    assert "decays by cosine to 0 at its own last step" in report
