@@ -12,7 +12,8 @@ from ds_cluster import ClusterSamplingConfig, build_plan
 from ds_cluster.clustering.kmeans import cluster_features
 from ds_cluster.data.dataset import InstructionDataset, PAD_MULTIPLE, read_records, trim_padding_collate
 from ds_cluster.data.models import load_model_and_tokenizer
-from ds_cluster.features.extract import _batches_of, _collate, run_extraction, sample_lengths
+from ds_cluster.features.batches import _batches_of, _collate, sample_lengths
+from ds_cluster.features.extract import run_extraction
 from ds_cluster.features.store import FeatureStore
 from ds_cluster.loader.loss import weighted_causal_lm_loss, weighted_lm_loss
 from ds_cluster.loader.sampler import ClusterDataLoader

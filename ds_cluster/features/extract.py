@@ -26,7 +26,7 @@ import torch
 from ds_cluster.data.dataset import IGNORE_INDEX, dataset_fingerprint
 from ds_cluster.collectives import LOCAL, Collectives
 from ds_cluster.features.adapters import Adapters, adapter_rows, loss_gradient_at_hidden
-from ds_cluster.features.batches import _batches_of, _collate, sample_lengths  # noqa: F401 - re-exported
+from ds_cluster.features.batches import _batches_of, _collate, sample_lengths
 from ds_cluster.features.kinds import FeatureKind, feature_kind
 from ds_cluster.features.model_info import find_output_layer, model_fingerprint, output_layer_shape, unwrap_model
 from ds_cluster.features.projection import KroneckerProjection
