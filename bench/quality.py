@@ -54,8 +54,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.harness.builders import build_arms  # noqa: E402
 from bench.harness.data import prepare_data  # noqa: E402
-from bench.harness.instrument import (CHOICE_LISTS, KNOWN_ARMS, OVERHEAD_CHOICES, OVERHEAD_LIMIT, SMOLLM2_RECIPE,  # noqa: E402
-                                      SYNTHETIC_RECIPE, Settings, check_work_dir, default_base_model,
+from bench.harness.instrument import (CHOICE_LISTS, KNOWN_ARMS, OVERHEAD_CHOICES, OVERHEAD_LIMIT,  # noqa: E402
+                                      SMOLLM2_QUICK_TRAIN_FRACTION, SMOLLM2_RECIPE, SYNTHETIC_RECIPE, Settings, check_work_dir, default_base_model,
                                       with_feature_models)
 from bench.harness.launch import run_job, write_spec  # noqa: E402
 from bench.harness.report import write_report  # noqa: E402
@@ -211,9 +211,10 @@ def _quick(settings: Settings, args: argparse.Namespace) -> Settings:
     """The smoke run: one seed, one fraction, fewer arms and held-out records."""
     if args.model == "smollm2":
         return replace(settings, seeds=(0,), fractions=(0.3,), arms=("random", "recommended_small"),
-                       ablations=False, heldout_per_family=40,
-                       skipped=("full_cut, recommended on SmolLM2's own features, adaptive and auto left out of the "
-                                "quick run (its 15 minutes); 40 held-out records per family",))
+                       ablations=False, heldout_per_family=40, train_fraction=SMOLLM2_QUICK_TRAIN_FRACTION,
+                       skipped=(f"full_cut, recommended on SmolLM2's own features, adaptive and auto left out of the "
+                                f"quick run (its 15 minutes), which trains on {SMOLLM2_QUICK_TRAIN_FRACTION:.0%} of "
+                                "every family's records (the grid: 10%); 40 held-out records per family",))
     quick_arms = ("random", "paper", "recommended") if args.synthetic else ("random", "recommended", "neardup")
     settings = replace(settings, seeds=(0,), fractions=(0.3,), arms=quick_arms, ablations=False,
                        heldout_per_family=40, copy_probe_records=60)

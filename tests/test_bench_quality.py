@@ -468,6 +468,28 @@ def test_real_goals_judge_worst_group_neardup_and_the_other_fraction_by_their_in
     assert not any("near-duplicate" in row["goal"] for row in synthetic)
 
 
+def test_the_automatic_budget_is_judged_against_full_data_only_with_an_interval_and_on_its_own_time_goal():
+    """budget_ratio auto: within the noise of full data needs at least 2 paired seeds (one seed has no interval, so
+    the goal is not met and says why); its time goal is the instrument's (0.5, the capable model's 0.6)."""
+    from types import SimpleNamespace
+
+    from bench.harness.goals import evaluate_goals
+
+    def auto_rows(seeds: int, ratio: float, **instrument) -> dict[str, tuple[bool, str]]:
+        summary = {"settings": {"auto": {
+            "vs_full": {"loss_macro": {"mean": 0.01, "ci": 0.05 if seeds > 1 else float("nan"), "n": seeds}},
+            "ratio_total_cpu": {"mean": ratio, "ci": 0.01, "n": seeds}, "kept_fraction": {"mean": 0.5}}}}
+        settings = SimpleNamespace(instrument="real", fractions=(0.3,), headline_fraction=0.3, **instrument)
+        return {row["goal"].split(": ", 1)[1]: (row["met"], row["measured"])
+                for row in evaluate_goals(summary, settings) if "budget_ratio auto" in row["goal"]}
+
+    within = "macro answer loss within the noise of full data's or below (the paired interval reaches 0)"
+    assert auto_rows(3, 0.55)[within][0] and not auto_rows(3, 0.55)["total CPU time <= 0.5 of full data"][0]
+    assert auto_rows(3, 0.55, auto_time_goal=0.6)["total CPU time <= 0.6 of full data"][0]
+    met, measured = auto_rows(1, 0.55, auto_time_goal=0.6)[within]
+    assert not met and "one paired seed: no interval, not judged" in measured
+
+
 def test_ablations_are_read_beside_the_papers_claims():
     """Each ablation is a paired difference over shared seeds, read as claimed, the opposite, within the noise, or
     identical (a change that left the subset as it was); a comparison missing a side is left out."""
@@ -562,21 +584,37 @@ def test_each_feature_source_is_reported_with_its_cost_share_and_purity(tmp_path
 
 
 def test_the_smollm2_instrument_runs_its_chosen_recipe_and_names_each_mode_apart(tmp_path):
-    """--model smollm2: the recipe that passed its gate (bench/candidates.json's first SmolLM2 candidate), the
-    arms its issue asks for, and a results file of its own per mode (a gate or quick run never overwrites the
-    grid's)."""
-    declared = json.loads((REPO / "bench" / "candidates.json").read_text())["smollm2_recipes"]
-    first = next(block for name, block in declared.items() if not name.startswith("_"))
+    """--model smollm2: the power candidate the declared rule kept (bench/candidates.json's "smollm2_power"), every
+    held-out record, the arms its issue asks for with full data and the automatic budget on the first seed, and a
+    results file of its own per mode (a gate or quick run never overwrites the grid's)."""
+    from bench.harness.builders import build_arms
+    from bench.harness.data import prepare_data
+    from bench.harness.instrument import ADAPTIVE_PRESET, AUTO_PRESET
+
+    chosen = json.loads((REPO / "bench" / "candidates.json").read_text())["smollm2_power"]["b8_slice10_e3_lr3e-5"]
     work = ["--work-dir", str(tmp_path / "work")]
     settings = _settings(["--model", "smollm2", *work])
-    assert {key: getattr(settings, key) for key in first} == first
-    assert settings.precision == "bf16" and settings.time_goal == 0.33 and settings.seeds == (0, 1, 2)
+    assert {key: getattr(settings, key) for key in chosen} == chosen
+    assert settings.heldout_per_family is None and settings.precision == "bf16" and settings.time_goal == 0.33
+    assert settings.auto_time_goal == 0.6  # issue 42's bound on the automatic budget's time
+    assert settings.seeds == (0, 1, 2, 3) and settings.full_seeds == 1
     assert set(settings.arms) == {"full_cut", "random", "recommended", "recommended_small", "adaptive", "auto"}
+    # Its 93-step arms close the benchmark's chosen adaptive window (20 steps) four times: no special preset.
+    assert settings.adaptive == ADAPTIVE_PRESET and settings.auto == AUTO_PRESET
     names = {mode: _settings(["--model", "smollm2", *work, *flags]).results_name
              for mode, flags in (("grid", []), ("quick", ["--quick"]), ("gate", ["--gate-only"]))}
     assert names == {"grid": "quality_smollm2", "quick": "quality_smollm2_quick", "gate": "quality_smollm2_gate"}
     quick = _settings(["--model", "smollm2", "--quick", *work])
     assert quick.seeds == (0,) and quick.fractions == (0.3,) and set(quick.arms) == {"random", "recommended_small"}
+    assert quick.train_fraction == 0.03 and quick.heldout_per_family == 40
+    # The grid's arms on a small mixture: full data and the automatic budget beside it on seed 0 only.
+    write_mixture(tmp_path / "data", seed=5, total=240, heldout_per_family=3)
+    small = _settings(["--model", "smollm2", "--data", str(tmp_path / "data"), *work, "--recipe",
+                       "train_fraction=1.0"])
+    arms, _ = build_arms(small, prepare_data(small))
+    assert sorted((arm.method, arm.seed) for arm in arms if arm.method in ("full", "auto")) == [("auto", 0),
+                                                                                                ("full", 0)]
+    assert sorted(arm.seed for arm in arms if arm.setting == "adaptive_f0.3") == [0, 1, 2, 3]
 
 
 def test_a_chat_record_of_the_benchmark_keeps_its_metadata_prompt_and_reference_answer():
@@ -761,7 +799,7 @@ def test_a_power_pilot_is_validation_only_with_its_own_seed_count_and_recipe(tmp
     assert spec["ds_config"]["train_micro_batch_size_per_gpu"] == 4
     assert spec["ds_config"]["gradient_accumulation_steps"] == 1
     assert _settings(argv[:-6] + ["--seeds", "8"]).seeds == tuple(range(8))
-    # --full-seeds 1: full data only on the first seed (the gate's), the subsets' arms on all four.
+    # --full-seeds 1 (the recipe's): full data only on the first seed (the gate's), the subsets' arms on all four.
     from bench.harness.builders import build_arms
     from bench.harness.data import prepare_data
 
@@ -769,8 +807,9 @@ def test_a_power_pilot_is_validation_only_with_its_own_seed_count_and_recipe(tmp
     arms, _ = build_arms(fewer, prepare_data(fewer))
     assert [arm.seed for arm in arms if arm.method == "full"] == [0]
     assert sorted(arm.seed for arm in arms if arm.setting == "full_cut_f0.3") == [0, 1, 2, 3]
-    every, _ = build_arms(settings, prepare_data(settings))
-    assert sorted(arm.seed for arm in every if arm.method == "full") == [0, 1, 2, 3]
+    every = _settings(argv + ["--full-seeds", "4"])  # the recipe's own is 1
+    assert settings.full_seeds == 1
+    assert sorted(arm.seed for arm in build_arms(every, prepare_data(every))[0] if arm.method == "full") == [0, 1, 2, 3]
     with pytest.raises(SystemExit, match="--full-seeds"):
         _settings(argv + ["--full-seeds", "5"])
     assert "heldout" in _spec(_settings([a for a in argv if a != "--validation-only"]))["evaluate_splits"]

@@ -309,7 +309,8 @@ def build_arms(settings: Settings, data: PreparedData) -> tuple[list[Arm], dict[
                 arm = builder.subset(kind, seed, fraction)
                 if arm.name not in {a.name for a in arms}:
                     arms.append(arm)
-        if "auto" in settings.arms and not settings.candidates:
+        # The automatic budget's claim is against full data's loss and time on the same seed: it runs beside it.
+        if "auto" in settings.arms and not settings.candidates and with_full:
             arms.append(auto_arm(builder, seed))
         for name in sorted(automatic):
             arms.append(auto_arm(builder, seed, name, settings.candidates[name]))

@@ -20,7 +20,8 @@ On real data (the real instrument), the method's goals besides (for the recommen
 
 The adaptive schedule: at the subsets' step count, macro below full_cut's and below the static recommended
 preset's (paired intervals below 0); with budget_ratio "auto", macro within the noise of full data's (or
-below: the paired interval reaches 0) at most AUTO_TIME_RATIO_MAX of full data's total time.
+below: the paired interval reaches 0, over at least 2 paired seeds) at most the instrument's `auto_time_goal` of full
+data's total time (AUTO_TIME_RATIO_MAX; the capable-model instrument's 0.6).
 """
 from __future__ import annotations
 
@@ -110,12 +111,16 @@ def _adaptive_goals(settings_summary: dict, settings: Any) -> list[dict]:
     auto = settings_summary.get("auto")
     if auto and auto.get("vs_full"):
         macro, ratio = auto["vs_full"]["loss_macro"], auto["ratio_total_cpu"]
+        # One paired seed has no interval: "within the noise" cannot be read, so the goal is not met.
+        judged = macro["n"] >= 2
         rows.append({"goal": "adaptive schedule, budget_ratio auto: macro answer loss within the noise of full "
-                             "data's or below (the paired interval reaches 0)", "met": _not_worse(macro),
+                             "data's or below (the paired interval reaches 0)", "met": judged and _not_worse(macro),
                      "measured": f"difference {macro['mean']:+.4f} ± {macro['ci']:.4f} over {macro['n']} seeds, kept "
-                                 f"{auto['kept_fraction']['mean']:.3f}"})
-        rows.append({"goal": f"adaptive schedule, budget_ratio auto: total CPU time <= {AUTO_TIME_RATIO_MAX} of full "
-                             "data", "met": ratio["mean"] <= AUTO_TIME_RATIO_MAX,
+                                 f"{auto['kept_fraction']['mean']:.3f}"
+                                 + ("" if judged else " (one paired seed: no interval, not judged)")})
+        time_goal = getattr(settings, "auto_time_goal", AUTO_TIME_RATIO_MAX)
+        rows.append({"goal": f"adaptive schedule, budget_ratio auto: total CPU time <= {time_goal} of full "
+                             "data", "met": ratio["mean"] <= time_goal,
                      "measured": f"{ratio['mean']:.3f} ± {ratio['ci']:.3f}"})
     return rows
 

@@ -78,7 +78,9 @@ class Settings:
     micro_batch_size: int = 32
     zero_stage: int = 2  # ds_configs/zero{N}.json; fp32, so the stage changes the cost, not the arithmetic
     seeds: tuple[int, ...] = (0, 1, 2, 3)
-    full_seeds: Optional[int] = None  # full data on the first N seeds only (None: every seed); the gate's is always run
+    # Full data (and the automatic budget, read against it) on the first N seeds only (None: every seed); the gate's
+    # is always run.
+    full_seeds: Optional[int] = None
     fractions: tuple[float, ...] = (0.3, 0.5)
     headline_fraction: float = 0.3
     ablation_seeds: int = 2  # the synthetic instrument's ablations; the real one's run on every seed
@@ -97,6 +99,7 @@ class Settings:
     precision: str = "fp32"
     gradient_accumulation_steps: int = 1
     time_goal: float = 0.40  # the preset's total time at the headline fraction, over full data's
+    auto_time_goal: float = 0.5  # the automatic budget's total time, over full data's
     candidates: dict = field(default_factory=dict)  # --choose: name -> cluster_sampling block
     # --choose-overhead: only candidates whose mean loader share of the training loop is below this may be chosen
     overhead_limit: Optional[float] = None
@@ -116,24 +119,24 @@ class Settings:
 
 
 # The capable-model instrument (`--model smollm2`): SmolLM2-135M-Instruct fine-tuned in bf16 on a slice of the
-# T0 mixture sized so one full-data run takes about 7 minutes here. Its recipe is the first of the declared
-# candidates (bench/candidates.json, "smollm2_recipes") to pass the calibration gate on validation, 2026-12-03
-# (bench/results/real/quality_smollm2_gate_epochs3_lr1e-4.md): 7% of every family's train records, 3 epochs,
-# lr 1e-4. The first recipe (15%, 2 epochs) missed the plateau check (-7.0%). The plain Alpaca prompt was kept
-# over the chat template by the declared rule ("smollm2_prompt"; bench/results/real/quality_smollm2_gate_chat.md).
+# T0 mixture. Its recipe is the power candidate "b8_slice10_e3_lr3e-5" of bench/candidates.json's "smollm2_power"
+# (issue 42; bench/README.md, "Power"): 10% of every family's train records, global batch 8 (2 ranks x micro
+# batch 4) so a 30% arm trains 93 optimizer steps, 3 epochs, lr 3e-5 (lr 1e-4 overfit at this size), every shipped
+# held-out record (150 per family). The declared rule keeps it as the last candidate run (the only one through the
+# gate); its seeds are the most a ~3-hour grid holds here (about 7 min per 30% arm, 21 min for full data): the
+# 30% arms on 4 seeds, full data and the automatic budget on the first. The recipe before it (7% slice, global
+# batch 32, 15-step arms, 3 seeds) could not tell any two arms apart (bench/results/real/quality_smollm2.md).
 SMOLLM2_RECIPE: dict[str, Any] = {
-    "base_model": SMOLLM2_DIR, "train_fraction": 0.07, "heldout_per_family": 50, "max_length": 136,
-    "micro_batch_size": 8, "gradient_accumulation_steps": 2, "precision": "bf16", "zero_stage": 0,
-    "learning_rate": 1e-4,
-    "adam_eps": 1e-8, "epochs": 3, "seeds": (0, 1, 2), "fractions": (0.3,),
+    "base_model": SMOLLM2_DIR, "train_fraction": 0.1, "heldout_per_family": None, "max_length": 136,
+    "micro_batch_size": 4, "gradient_accumulation_steps": 1, "precision": "bf16", "zero_stage": 0,
+    "learning_rate": 3e-5, "adam_eps": 1e-8, "epochs": 3, "seeds": (0, 1, 2, 3), "full_seeds": 1,
+    "fractions": (0.3,),
     "arms": ("full_cut", "random", "recommended", "recommended_small", "adaptive", "auto"), "smollm2": None,
-    "time_goal": 0.33,
-    # Its 30% arms take 15 optimizer steps: the chosen 20-step window would never close (no adaptation at all),
-    # so this instrument keeps the window 10 and probe 4 its figures were measured with (quality_smollm2.md),
-    # for the automatic budget too.
-    "adaptive": {**ADAPTIVE_PRESET, "adapt_every": 10, "probe_size": 4},
-    "auto": {**AUTO_PRESET, "probe_size": 4},
+    "time_goal": 0.33, "auto_time_goal": 0.6,
+    # 93-step arms: the chosen window (20 steps, probe 2) closes four times, so the benchmark's own presets hold.
     "work_dir": REPO / "runs" / "bench_smollm2_quality"}
+# `--model smollm2 --quick`: the same recipe on a 3% slice, so full data, random and recommended_small fit ~15 min.
+SMOLLM2_QUICK_TRAIN_FRACTION = 0.03
 SYNTHETIC_RECIPE: dict[str, Any] = {
     "instrument": "synthetic", "data": REPO / "bench" / "toy" / "data" / "default",
     "results_dir": REPO / "bench" / "results", "epochs": 16, "learning_rate": 1e-3, "max_length": 96,

@@ -175,6 +175,10 @@ def _header(settings: Settings, data: PreparedData) -> list[str]:
              + (", ".join(data.exact_match_families) or "none")
              + (" (every family: the synthetic answers are short exact strings)." if instrument == "synthetic" else
                 " (a family's 20 most frequent answers cover >= 90% of its training records).")]
+    if settings.full_seeds is not None and settings.full_seeds < len(settings.seeds):
+        lines.append(f"Full data and the automatic budget ran on the first {settings.full_seeds} of the "
+                     f"{len(settings.seeds)} seeds (the subsets' arms on every seed): every row paired with full "
+                     "data (the rows against it, the time ratios, the automatic budget's) is over those seeds only.")
     near = data.near_duplicates
     if near:
         lines.append(f"Near-duplicate groups (MinHash on the prompt, word {near['rule']['shingle_words']}-grams, "
