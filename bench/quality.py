@@ -32,6 +32,11 @@ a fixed split seed); every choice is made on it, never on held-out. All arms run
 - recommended: ds_cluster's recommended preset on the trained model's own features, same kept size;
 - recommended_smollm2: the same preset on SmolLM2-135M-Instruct's features (`feature_model`), when
   .cache/smollm2-135m-instruct exists (else skipped, and the report says so);
+- recommended_small: the same preset on stories260K's features (`feature_model`; the SmolLM2 instrument's cheap
+  source);
+- recommended_lora: the same preset on the `lora` features (per-sample gradients of seeded, untrained LoRA adapters
+  on the trained model, projected); `--recipe peft=lora[,lora_rank=R]` trains LoRA adapters in every arm instead
+  of every weight;
 - oracle: family-balanced (labels = family, even budget, random within a family), same kept size;
 - neardup: near-duplicate removal to the same kept size (bench/near_duplicates.py has the rule);
 - KIND_steps (with --equal-steps): the subset trained for more epochs, to full data's step count.
@@ -55,8 +60,8 @@ sys.path.insert(0, str(REPO))
 from bench.harness.builders import build_arms  # noqa: E402
 from bench.harness.data import prepare_data  # noqa: E402
 from bench.harness.instrument import (CHOICE_LISTS, KNOWN_ARMS, OVERHEAD_CHOICES, OVERHEAD_LIMIT,  # noqa: E402
-                                      SMOLLM2_QUICK_TRAIN_FRACTION, SMOLLM2_RECIPE, SYNTHETIC_RECIPE, Settings, check_work_dir, default_base_model,
-                                      with_feature_models)
+                                      SMOLLM2_QUICK_RECIPE, SMOLLM2_RECIPE, SYNTHETIC_RECIPE, Settings,
+                                      check_work_dir, default_base_model, with_feature_models)
 from bench.harness.launch import run_job, write_spec  # noqa: E402
 from bench.harness.report import write_report  # noqa: E402
 
@@ -170,6 +175,8 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     if args.recipe:
         pairs = dict(item.split("=", 1) for item in args.recipe.split(","))
         settings = replace(settings, **{key: type(getattr(settings, key))(value) for key, value in pairs.items()})
+    if settings.peft not in ("none", "lora"):
+        raise SystemExit(f"--recipe peft={settings.peft}: expected none or lora")
     if args.gate_only:
         settings = replace(settings, seeds=settings.seeds[:1], gate_only=True, ablations=False)
     if args.test_epochs is not None:
@@ -211,10 +218,9 @@ def _quick(settings: Settings, args: argparse.Namespace) -> Settings:
     """The smoke run: one seed, one fraction, fewer arms and held-out records."""
     if args.model == "smollm2":
         return replace(settings, seeds=(0,), fractions=(0.3,), arms=("random", "recommended_small"),
-                       ablations=False, heldout_per_family=40, train_fraction=SMOLLM2_QUICK_TRAIN_FRACTION,
-                       skipped=(f"full_cut, recommended on SmolLM2's own features, adaptive and auto left out of the "
-                                f"quick run (its 15 minutes), which trains on {SMOLLM2_QUICK_TRAIN_FRACTION:.0%} of "
-                                "every family's records (the grid: 10%); 40 held-out records per family",))
+                       ablations=False, heldout_per_family=40, **SMOLLM2_QUICK_RECIPE,
+                       skipped=("full_cut, recommended on SmolLM2's own features, adaptive and auto left out of the "
+                                "quick run (its 15 minutes); 40 held-out records per family",))
     quick_arms = ("random", "paper", "recommended") if args.synthetic else ("random", "recommended", "neardup")
     settings = replace(settings, seeds=(0,), fractions=(0.3,), arms=quick_arms, ablations=False,
                        heldout_per_family=40, copy_probe_records=60)

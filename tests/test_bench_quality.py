@@ -606,7 +606,9 @@ def test_the_smollm2_instrument_runs_its_chosen_recipe_and_names_each_mode_apart
     assert names == {"grid": "quality_smollm2", "quick": "quality_smollm2_quick", "gate": "quality_smollm2_gate"}
     quick = _settings(["--model", "smollm2", "--quick", *work])
     assert quick.seeds == (0,) and quick.fractions == (0.3,) and set(quick.arms) == {"random", "recommended_small"}
-    assert quick.train_fraction == 0.03 and quick.heldout_per_family == 40
+    # A smoke run on the recipe before issue 42 (7% slice, global batch 32), whose gate passes in ~6 min.
+    assert (quick.train_fraction, quick.micro_batch_size, quick.gradient_accumulation_steps) == (0.07, 8, 2)
+    assert quick.learning_rate == 1e-4 and quick.heldout_per_family == 40
     # The grid's arms on a small mixture: full data and the automatic budget beside it on seed 0 only.
     write_mixture(tmp_path / "data", seed=5, total=240, heldout_per_family=3)
     small = _settings(["--model", "smollm2", "--data", str(tmp_path / "data"), *work, "--recipe",

@@ -83,7 +83,7 @@ class Arm:
     # What the ablation changed of its method's block, e.g. (("weighting", "none"),).
     changes: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
     candidate: Optional[str] = field(default=None, compare=False)  # the declared candidate it runs (--choose*)
-    source: str = field(default="own", compare=False)  # its features: "own", "small" or "smollm2"
+    source: str = field(default="own", compare=False)  # its features: "own", "small", "smollm2" or "lora"
 
     @property
     def is_partner(self) -> bool:
@@ -145,7 +145,8 @@ class Analysis:
     a near-duplicate subset (`near_duplicates`, `seed`)."""
 
     path: str
-    source: Optional[str] = None  # features: "own" (the trained model), "small" or "smollm2" (a feature model)
+    # features: "own" (the trained model), "small" or "smollm2" (a feature model), "lora" (own with adapters)
+    source: Optional[str] = None
     model: Optional[str] = None  # features: the checkpoint they are computed with
     feature_max_length: Optional[int] = None  # features of a feature model: its tokens per sample
     cluster_sampling: Optional[Mapping[str, Any]] = None  # the block's feature (or clustering) settings

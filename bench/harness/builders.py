@@ -23,7 +23,7 @@ WHOLE = {"budget_mode": "proportional", "budget_ratio": 1.0, "selection": "rando
          "allocation": "stratified", "loss_reduction": "token"}
 # The settings a k-means analysis depends on: an arm that changes one of them reads its own clustering.
 CLUSTERING_KEYS = ("feature_kind", "feature_dim", "num_clusters", "capacity_factor", "kmeans_n_init")
-FEATURE_SOURCES = ("smollm2", "small")  # a candidate named NAME_SOURCE reads that feature model's features
+FEATURE_SOURCES = ("smollm2", "small", "lora")  # a candidate named NAME_SOURCE reads that feature model's features
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,8 @@ class ArmBuilder:
             "own": {"model": str(default_base_model(settings))},
             "small": {"model": str(settings.small_feature_model or STORIES260K_DIR),
                       "feature_max_length": settings.small_feature_max_length}}
+        # The trained model with seeded untrained adapters (an adapter folder the job writes): the `lora` features.
+        self.feature_models["lora"] = {"model": str(self.root / f"lora_adapters_r{settings.lora_rank}")}
         if settings.smollm2 is not None:
             self.feature_models["smollm2"] = {"model": str(settings.smollm2),
                                               "feature_max_length": settings.smollm2_feature_max_length}
@@ -183,6 +185,8 @@ def preset_arm(builder: ArmBuilder, request: SubsetRequest, block: dict, source:
         block.update(feature_kind="proxy", **_feature_model_keys(builder, "smollm2"))
     elif source == "small":
         block.update(_feature_model_keys(builder, "small"))
+    elif source == "lora":
+        block.update(feature_kind="lora")
     cut = block.get("schedule") == "adaptive"
     if cut:
         block["budget_ratio"] = request.fraction  # at the subsets' step count: the fraction sets the budget
@@ -219,6 +223,7 @@ SUBSET_BUILDERS: dict[str, Callable[[ArmBuilder, SubsetRequest], Arm]] = {
     "neardup": neardup_arm, "recommended": recommended_arm, "adaptive": adaptive_arm,
     "recommended_small": lambda builder, request: recommended_arm(builder, request, "small"),
     "recommended_smollm2": lambda builder, request: recommended_arm(builder, request, "smollm2"),
+    "recommended_lora": lambda builder, request: recommended_arm(builder, request, "lora"),
 }
 
 

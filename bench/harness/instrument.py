@@ -24,8 +24,9 @@ SMOLLM2_FEATURE_MAX_LENGTH = 96
 REAL_ARMS = ("full_cut", "random", "paper", "recommended", "oracle", "neardup", "recommended_smollm2")
 SYNTHETIC_ARMS = ("full_cut", "random", "paper", "recommended", "oracle")
 # adaptive: the adaptive schedule at the subsets' step count; auto: it with budget_ratio "auto", up to full data's
-# steps; recommended_small: the recommended preset on a small feature model's features (stories260K under SmolLM2).
-KNOWN_ARMS = REAL_ARMS + ("adaptive", "auto", "recommended_small")
+# steps; recommended_small: the recommended preset on a small feature model's features (stories260K under SmolLM2);
+# recommended_lora: the recommended preset on the `lora` features (the trained model with seeded LoRA adapters).
+KNOWN_ARMS = REAL_ARMS + ("adaptive", "auto", "recommended_small", "recommended_lora")
 # The adaptive schedule the benchmark runs: the candidate bench/candidates.json's "adaptive" choice picked on T0's
 # validation split (bench/README.md, docs/adaptive.md), on the recommended preset's clusters.
 # Chosen 2026-12-03 (bench/results/real/quality_choose_adaptive.md): adaptive_loss, the lowest mean macro validation
@@ -98,6 +99,10 @@ class Settings:
     # torch autocast to bf16 in the DeepSpeed config.
     precision: str = "fp32"
     gradient_accumulation_steps: int = 1
+    # "lora": every arm trains LoRA adapters of rank `lora_rank` (alpha 2 x rank, seeded by the arm's seed) on the
+    # attention and MLP projections of the frozen base model (ds_cluster.data.models.with_lora); "none": every weight.
+    peft: str = "none"
+    lora_rank: int = 8
     time_goal: float = 0.40  # the preset's total time at the headline fraction, over full data's
     auto_time_goal: float = 0.5  # the automatic budget's total time, over full data's
     candidates: dict = field(default_factory=dict)  # --choose: name -> cluster_sampling block
@@ -135,8 +140,12 @@ SMOLLM2_RECIPE: dict[str, Any] = {
     "time_goal": 0.33, "auto_time_goal": 0.6,
     # 93-step arms: the chosen window (20 steps, probe 2) closes four times, so the benchmark's own presets hold.
     "work_dir": REPO / "runs" / "bench_smollm2_quality"}
-# `--model smollm2 --quick`: the same recipe on a 3% slice, so full data, random and recommended_small fit ~15 min.
-SMOLLM2_QUICK_TRAIN_FRACTION = 0.03
+# `--model smollm2 --quick`, a smoke run of the machinery in ~15 min: the recipe before issue 42 (7% slice, global
+# batch 32, lr 1e-4), which passes its gate with a 6-minute full-data run. The grid's recipe on a 3% slice (full
+# data in 6 min) failed all three of the gate's checks (bench/results/real/quality_smollm2_quick_slice3.md), so a
+# quick run on it would stop after the gate's arms.
+SMOLLM2_QUICK_RECIPE: dict[str, Any] = {"train_fraction": 0.07, "micro_batch_size": 8, "gradient_accumulation_steps": 2,
+                                        "learning_rate": 1e-4}
 SYNTHETIC_RECIPE: dict[str, Any] = {
     "instrument": "synthetic", "data": REPO / "bench" / "toy" / "data" / "default",
     "results_dir": REPO / "bench" / "results", "epochs": 16, "learning_rate": 1e-3, "max_length": 96,
@@ -213,7 +222,8 @@ def instrument_record(settings: Settings) -> dict[str, Any]:
             "train_fraction": settings.train_fraction, "precision": settings.precision,
             "gradient_accumulation_steps": settings.gradient_accumulation_steps,
             # Only when not the default, so folders written before the setting existed still match.
-            **({"prompt": settings.prompt} if settings.prompt != "alpaca" else {})}
+            **({"prompt": settings.prompt} if settings.prompt != "alpaca" else {}),
+            **({"peft": settings.peft, "lora_rank": settings.lora_rank} if settings.peft != "none" else {})}
 
 
 def check_work_dir(settings: Settings) -> None:

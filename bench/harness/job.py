@@ -34,6 +34,7 @@ import torch
 from bench.harness.arms import Analysis, Arm
 from bench.harness.evaluation import Clock, barrier, copy_probe, evaluate, exists_on_rank0, summed
 from bench.harness.gate import calibration_gate
+from bench.harness.lora import ensure_feature_adapters, seeded_lora
 from bench.harness.report import gate_text
 from ds_cluster import distributed
 from ds_cluster.data.dataset import InstructionDataset, read_jsonl, trim_padding_collate
@@ -57,7 +58,11 @@ def ensure_features(analysis: Analysis, spec: Mapping[str, Any], train: Instruct
         clock = Clock()
         # The clustering of this folder is not used (every k-means analysis clusters these features itself).
         block = {**(analysis.cluster_sampling or {}), "num_clusters": 1, "kmeans_n_init": 1, "enabled": True}
-        if analysis.source != "own":  # a separate feature model: the source re-encodes the data with its tokenizer
+        if analysis.source == "lora":  # the trained model with adapters: the training data as it is
+            if distributed.get_rank() == 0:
+                ensure_feature_adapters(analysis.model, spec["base_model"], spec["lora_rank"])
+            barrier()
+        elif analysis.source != "own":  # a separate feature model: the source re-encodes the data with its tokenizer
             block.update(feature_model=analysis.model, feature_max_length=analysis.feature_max_length)
         stages = ClusterSamplingConfig.from_dict(block).stages()
         with feature_source(stages.features, train, ds_config=spec["ds_config"], model=analysis.model) as source:
@@ -242,6 +247,8 @@ def _initialize(arm: Arm, spec: Mapping[str, Any], train: InstructionDataset) ->
 
     torch.manual_seed(arm.seed)
     model, _ = load_model_and_tokenizer(spec["base_model"])
+    if spec.get("peft", "none") == "lora":
+        model = seeded_lora(model, spec["lora_rank"], arm.seed)
     config = json.loads(json.dumps(spec["ds_config"]))
     config["optimizer"]["params"]["lr"] = spec["learning_rate"]
     block, fixed_steps, kept = resolve_arm(arm, spec)

@@ -39,6 +39,7 @@ def write_spec(settings: Settings, data: PreparedData, arms: Sequence[Arm], anal
         "ds_config": ds_config(settings), "learning_rate": settings.learning_rate,
         "warmup_fraction": settings.warmup_fraction, "max_length": settings.max_length,
         "precision": settings.precision, "copy_probe_records": settings.copy_probe_records, "copy_probe_seed": 12345,
+        "peft": settings.peft, "lora_rank": settings.lora_rank,
         "evaluate_splits": ["validation"] if settings.candidates or settings.validation_only
         else ["validation", "heldout"],
         "analyses": {name: analysis.to_json() for name, analysis in analyses.items()},

@@ -229,7 +229,8 @@ def _feature_source_section(settings: Settings, work: Path, arms: Sequence[Arm],
                             costs: Mapping[str, dict]) -> list[str]:
     models = {"own": str(default_base_model(settings)),
               "small": str(settings.small_feature_model or STORIES260K_DIR),
-              "smollm2": str(settings.smollm2 or "SmolLM2-135M-Instruct")}
+              "smollm2": str(settings.smollm2 or "SmolLM2-135M-Instruct"),
+              "lora": f"{default_base_model(settings)} with seeded LoRA adapters of rank {settings.lora_rank}"}
     sources = feature_sources(work, arms, s, costs, models)
     if not sources:
         return []
