@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.real import STORIES260K_DIR, T0_DIR
 from bench.toy.tasks import write_mixture
 from tests.test_bench_quality import _settings, _spec
 from tests.workers.feature_fixtures import tiny_llama
@@ -56,3 +57,29 @@ def test_the_feature_adapters_are_written_once_seeded_and_load_as_the_base_with_
     assert ensure_feature_adapters(folder, base, rank=4) == folder
     assert (folder / "adapter_config.json").stat().st_mtime_ns == written
     assert not folder.with_name("adapters.partial").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_the_jobs_lora_feature_analysis_writes_its_adapters_once_and_reads_every_record_on_two_ranks(tmp_path):
+    """The benchmark job's `recommended_lora` features under the instrument's DeepSpeed config (bf16 block, ZeRO-0,
+    2 ranks, deepspeed launcher): the adapter folder over the local base, then one projected adapter gradient per
+    record, none empty or zero (fresh adapters' lora_B is zero, so only lora_B's gradient is there: the feature
+    still sees each record), its cost recorded as the `lora` source's."""
+    import gzip
+    import json
+
+    from tests.launching import check, run_deepspeed
+
+    records = tmp_path / "records.jsonl.gz"
+    with gzip.open(T0_DIR / "train.jsonl.gz", "rt", encoding="utf-8") as handle:
+        lines = [line for _, line in zip(range(24), handle)]
+    with gzip.open(records, "wt", encoding="utf-8") as handle:
+        handle.writelines(lines)
+    check(run_deepspeed(["tests/workers/bench_lora_features_worker.py", "--records", str(records),
+                         "--out", str(tmp_path)], timeout=420))
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["shape"] == [24, 64] and result["finite"] and result["empty"] == 0 and result["zero_rows"] == 0
+    assert result["cost"]["source"] == "lora" and result["cost"]["extract_wall"] > 0
+    assert result["adapter_config"]["base_model_name_or_path"] == str(STORIES260K_DIR)
+    assert result["adapter_config"]["r"] == 4
