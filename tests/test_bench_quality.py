@@ -241,6 +241,9 @@ def test_real_gate_and_time_to_target():
     assert not gate["checks"]["full_plateau"]["passed"]  # 2.7 -> 2.5 is 7.4%
     assert gate["checks"]["random30_worse_than_full"]["passed"] and not gate["passed"]
     assert gate_text(gate).splitlines()[0].startswith("calibration gate: FAILED (real instrument")
+    assert "last epoch 7.41%, falling (< 2%" in gate_text(gate)  # still learning, not overfitting
+    rising = real_gate(base, {**full, "validation_loss_per_epoch": [p["loss"] for p in reversed(curve)]}, random30)
+    assert "last epoch 8.00%, rising (< 2%" in gate_text(rising)
     # Target 2.5 + 0.05 x 2.5 = 2.625: the first epoch (2.7) misses it, the second reaches it.
     reached = time_to_target(full, base, full, {"cpu": 1.0, "wall": 1.0}, {"cpu": 2.0, "wall": 2.0})
     assert reached["reached"] and reached["epoch"] == 2 and reached["cpu"] == 23.0

@@ -34,13 +34,15 @@ def gate_text(gate: Mapping[str, Any]) -> str:
     if gate["kind"] == "real":
         learns, plateau, margin = checks["full_learns"], checks["full_plateau"], checks["random30_worse_than_full"]
         verdict = "PASSED" if passed else "FAILED"
+        per_epoch = plateau["per_epoch_macro_loss"]
+        # The check reads |change|: say which way it went (a rising loss is overfitting, a falling one unfinished).
+        direction = "" if len(per_epoch) < 2 else ", rising" if per_epoch[-1] > per_epoch[-2] else ", falling"
         lines = [f"calibration gate: {verdict} (real instrument, validation split, first seed)",
                  f"  full data improves macro answer loss over the base model by {learns['value']:.1%} "
                  f"({learns['base_macro_loss']:.4f} -> {learns['full_macro_loss']:.4f}; >= "
                  f"{gate_rule.FULL_IMPROVEMENT_MIN:.0%})",
-                 f"  full data, macro loss change over the last epoch {plateau['value']:.2%} (< "
-                 f"{gate_rule.PLATEAU_MAX:.0%}; per epoch "
-                 + ", ".join(f"{loss:.4f}" for loss in plateau["per_epoch_macro_loss"]) + ")",
+                 f"  full data, macro loss change over the last epoch {plateau['value']:.2%}{direction} (< "
+                 f"{gate_rule.PLATEAU_MAX:.0%}; per epoch " + ", ".join(f"{loss:.4f}" for loss in per_epoch) + ")",
                  f"  random 30% worse than full data by {margin['value']:.1%} macro "
                  f"({margin['random_macro_loss']:.4f}; >= {gate_rule.RANDOM_MARGIN_MIN:.0%})"]
         if not passed:
