@@ -208,10 +208,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
     model, tokenizer = load_model_and_tokenizer(args.model, ds_config=config, dtype=dtype)
     if args.lora:
-        # Seeded, and only here (fork_rng): torch's default generator starts from another seed in every process.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(args.lora_seed)
-            model = with_lora(model, args.lora, args.lora_alpha)
+        model = with_lora(model, args.lora, args.lora_alpha, seed=args.lora_seed)
     dataset = load_instruction_dataset(args.data, tokenizer, max_length=args.max_length)
 
     ds_cluster.install()  # the one line: deepspeed.initialize now returns the cluster-balanced loader

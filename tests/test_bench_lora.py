@@ -39,8 +39,8 @@ def test_the_lora_recipe_tells_the_job_to_train_adapters_and_its_arm_reads_lora_
 
 
 def test_the_feature_adapters_are_written_once_seeded_and_load_as_the_base_with_trainable_adapters(tmp_path):
-    from bench.harness.lora import FEATURE_ADAPTER_SEED, ensure_feature_adapters, seeded_lora
-    from ds_cluster.data.models import load_model
+    from bench.harness.lora import FEATURE_ADAPTER_SEED, ensure_feature_adapters
+    from ds_cluster.data.models import load_model, with_lora
 
     base = tmp_path / "base"
     tiny_llama(seed=0).save_pretrained(base)
@@ -49,9 +49,12 @@ def test_the_feature_adapters_are_written_once_seeded_and_load_as_the_base_with_
     trainable = {name: p for name, p in loaded.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in name for name in trainable)
     # The same seed builds the same adapters in every process (each rank of the job; the arm that trains them).
-    rebuilt = dict(seeded_lora(load_model(base), 4, FEATURE_ADAPTER_SEED).named_parameters())
+    rebuilt = dict(with_lora(load_model(base), 4, seed=FEATURE_ADAPTER_SEED).named_parameters())
     assert all(torch.equal(p, rebuilt[name]) for name, p in trainable.items())
-    assert not any(torch.equal(p, dict(seeded_lora(load_model(base), 4, 1).named_parameters())[name])
+    state = torch.get_rng_state()
+    with_lora(load_model(base), 4, seed=FEATURE_ADAPTER_SEED)
+    assert torch.equal(state, torch.get_rng_state())  # the caller's generator is left as it was
+    assert not any(torch.equal(p, dict(with_lora(load_model(base), 4, seed=1).named_parameters())[name])
                    for name, p in trainable.items() if "lora_A" in name)
     written = (folder / "adapter_config.json").stat().st_mtime_ns
     assert ensure_feature_adapters(folder, base, rank=4) == folder

@@ -34,7 +34,7 @@ import torch
 from bench.harness.arms import Analysis, Arm
 from bench.harness.evaluation import Clock, barrier, copy_probe, evaluate, exists_on_rank0, summed
 from bench.harness.gate import calibration_gate
-from bench.harness.lora import ensure_feature_adapters, seeded_lora
+from bench.harness.lora import ensure_feature_adapters
 from bench.harness.report import gate_text
 from ds_cluster import distributed
 from ds_cluster.data.dataset import InstructionDataset, read_jsonl, trim_padding_collate
@@ -248,7 +248,9 @@ def _initialize(arm: Arm, spec: Mapping[str, Any], train: InstructionDataset) ->
     torch.manual_seed(arm.seed)
     model, _ = load_model_and_tokenizer(spec["base_model"])
     if spec.get("peft", "none") == "lora":
-        model = seeded_lora(model, spec["lora_rank"], arm.seed)
+        from ds_cluster.data.models import with_lora
+
+        model = with_lora(model, spec["lora_rank"], seed=arm.seed)
     config = json.loads(json.dumps(spec["ds_config"]))
     config["optimizer"]["params"]["lr"] = spec["learning_rate"]
     block, fixed_steps, kept = resolve_arm(arm, spec)

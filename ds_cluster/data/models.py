@@ -84,16 +84,23 @@ def _checkpoint_folder(path: Union[str, os.PathLike]) -> Path:
 LORA_TARGETS = "all-linear"
 
 
-def with_lora(model: Any, rank: int, alpha: Optional[float] = None, targets: Any = LORA_TARGETS) -> Any:
+def with_lora(model: Any, rank: int, alpha: Optional[float] = None, targets: Any = LORA_TARGETS,
+              seed: Optional[int] = None) -> Any:
     """`model` as a `peft` PeftModel with LoRA adapters of rank `rank` (scaling alpha / rank, alpha 2 x rank by
-    default; no dropout) on `targets`: only the adapters train. ImportError naming the extra when peft is absent."""
+    default; no dropout) on `targets`: only the adapters train. `seed`: the adapters' initialisation, the same in
+    every process (torch's default generator starts from another seed in each), drawn without touching the
+    caller's generator. ImportError naming the extra when peft is absent."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as err:
         raise ImportError("LoRA needs peft, which is not installed: pip install 'ds_cluster[peft]'") from err
     config = LoraConfig(r=int(rank), lora_alpha=float(alpha if alpha is not None else 2 * rank),
                         target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    if seed is None:
+        return get_peft_model(model, config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
 
 
 ADAPTER_CONFIG = "adapter_config.json"
