@@ -131,7 +131,7 @@ class Settings:
 # gate); its seeds are the most a ~3-hour grid holds here (a 30% arm takes about 9 min with its held-out
 # evaluation, full data and the automatic budget about 23 each): the 30% arms on 3 seeds, full data and the
 # automatic budget on the first (4 seeds would take about 3.75 h). The recipe before it (7% slice, global
-# batch 32, 15-step arms, 3 seeds) could not tell any two arms apart (bench/results/real/quality_smollm2.md).
+# batch 32, 15-step arms, 3 seeds) could not tell any two arms apart (bench/results/real/quality_smollm2_b32_slice7.md).
 SMOLLM2_RECIPE: dict[str, Any] = {
     "base_model": SMOLLM2_DIR, "train_fraction": 0.1, "heldout_per_family": None, "max_length": 136,
     "micro_batch_size": 4, "gradient_accumulation_steps": 1, "precision": "bf16", "zero_stage": 0,
