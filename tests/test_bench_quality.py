@@ -244,6 +244,11 @@ def test_real_gate_and_time_to_target():
     assert "last epoch 7.41%, falling (< 2%" in gate_text(gate)  # still learning, not overfitting
     rising = real_gate(base, {**full, "validation_loss_per_epoch": [p["loss"] for p in reversed(curve)]}, random30)
     assert "last epoch 8.00%, rising (< 2%" in gate_text(rising)
+    synthetic = {"kind": "synthetic", "passed": True, "checks": {
+        "copy_probe": {"value": 1.0}, "full_every_family": {"value": 0.9, "worst_family": "a"},
+        "full_plateau": {"value": 0.01, "per_epoch_macro_loss": [0.30, 0.31]},
+        "random30_loses_on_a_small_family": {"exact_match_drop": {"a": 0.2}, "loss_margin": {"a": 0.1}}}}
+    assert "over the last epoch 0.0100, rising (< " in gate_text(synthetic)
     # Target 2.5 + 0.05 x 2.5 = 2.625: the first epoch (2.7) misses it, the second reaches it.
     reached = time_to_target(full, base, full, {"cpu": 1.0, "wall": 1.0}, {"cpu": 2.0, "wall": 2.0})
     assert reached["reached"] and reached["epoch"] == 2 and reached["cpu"] == 23.0

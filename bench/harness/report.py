@@ -28,6 +28,14 @@ from bench.real import STORIES260K_DIR
 
 
 # --------------------------------------------------------------------------- the rules' outputs as text
+def plateau_direction(per_epoch: Sequence[float]) -> str:
+    """", rising" or ", falling" for the last epoch's change ("" with one epoch): the plateau check reads its size
+    only, and a rising loss is overfitting where a falling one is unfinished."""
+    if len(per_epoch) < 2:
+        return ""
+    return ", rising" if per_epoch[-1] > per_epoch[-2] else ", falling"
+
+
 def gate_text(gate: Mapping[str, Any]) -> str:
     """The calibration gate's decision as the job prints it and WORK/gate.json keeps it."""
     checks, passed = gate["checks"], gate["passed"]
@@ -35,8 +43,7 @@ def gate_text(gate: Mapping[str, Any]) -> str:
         learns, plateau, margin = checks["full_learns"], checks["full_plateau"], checks["random30_worse_than_full"]
         verdict = "PASSED" if passed else "FAILED"
         per_epoch = plateau["per_epoch_macro_loss"]
-        # The check reads |change|: say which way it went (a rising loss is overfitting, a falling one unfinished).
-        direction = "" if len(per_epoch) < 2 else ", rising" if per_epoch[-1] > per_epoch[-2] else ", falling"
+        direction = plateau_direction(per_epoch)
         lines = [f"calibration gate: {verdict} (real instrument, validation split, first seed)",
                  f"  full data improves macro answer loss over the base model by {learns['value']:.1%} "
                  f"({learns['base_macro_loss']:.4f} -> {learns['full_macro_loss']:.4f}; >= "
@@ -53,8 +60,8 @@ def gate_text(gate: Mapping[str, Any]) -> str:
              f"  base model copy probe {checks['copy_probe']['value']:.3f} (>= {gate_rule.COPY_PROBE_MIN})",
              f"  full data, worst family exact match {every['value']:.3f} "
              f"({every['worst_family']}; >= {gate_rule.FULL_EXACT_MATCH_MIN} on every family)",
-             f"  full data, validation loss change over the last epoch {checks['full_plateau']['value']:.4f} "
-             f"(< {gate_rule.PLATEAU_MAX})",
+             f"  full data, validation loss change over the last epoch {checks['full_plateau']['value']:.4f}"
+             f"{plateau_direction(checks['full_plateau']['per_epoch_macro_loss'])} (< {gate_rule.PLATEAU_MAX})",
              "  random 30% on the small families: exact match drop "
              + ", ".join(f"{f} {d:+.2f}" for f, d in small["exact_match_drop"].items()) + "; loss margin "
              + ", ".join(f"{f} {m:+.2f}" for f, m in small["loss_margin"].items())
