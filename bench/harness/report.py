@@ -121,14 +121,22 @@ def _auto_line(auto: AutoChoice) -> str:
 # --------------------------------------------------------------------------- the report
 def write_report(settings: Settings, data: PreparedData, arms: Sequence[Arm], validation_only: bool = False
                  ) -> dict[str, Any]:
-    """Summaries on validation (and held-out unless validation_only), the markdown, the plot and the JSON."""
+    """Summaries on validation (and held-out unless validation_only, a gate run or a missed gate), the markdown, the
+    plot and the JSON."""
     work = Path(settings.work_dir)
+    gate = json.loads((work / "gate.json").read_text()) if (work / "gate.json").exists() else None
+    # A gate run, or a run that missed its gate, leads to the choice of a recipe (on validation): it never shows
+    # held-out figures, though its arms measured them for the grid that may reuse them.
+    gate_hides_heldout = settings.gate_only or (gate is not None and not gate["passed"])
+    validation_only = validation_only or gate_hides_heldout
     results = load_results(work, arms, data.exact_match_families)
+    if validation_only:
+        results = {name: {key: value for key, value in result.items() if key != "heldout"}
+                   for name, result in results.items()}
     splits = ["validation"] if validation_only else ["validation", "heldout"]
     summaries = {split: summarize(arms, results, work, split) for split in splits}
     main_split = splits[-1]
     names = sorted(summaries[main_split]["settings"], key=setting_order(arms))
-    gate = json.loads((work / "gate.json").read_text()) if (work / "gate.json").exists() else None
     goal_rows = [] if validation_only else evaluate_goals(summaries["heldout"], settings)
     settings.results_dir.mkdir(parents=True, exist_ok=True)
     base = settings.results_dir / settings.results_name
@@ -136,6 +144,8 @@ def write_report(settings: Settings, data: PreparedData, arms: Sequence[Arm], va
     plot(summaries[main_split], names, base.with_suffix(".png"), results, arms, costs)
     lines = _header(settings, data) + ["## Calibration gate", "", "```", gate["text"] if gate else "(not run)", "```",
                                        ""]
+    if gate_hides_heldout:
+        lines += ["Validation only: a gate run chooses the recipe, so its held-out figures are not reported.", ""]
     for split in splits:
         lines += _split_sections(summaries[split], split, names)
     s = summaries[main_split]
