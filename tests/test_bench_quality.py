@@ -84,6 +84,10 @@ def test_a_run_that_misses_the_gate_says_so_and_stops(tmp_path):
     assert sorted(p.stem for p in (tmp_path / "work" / "arms").iterdir()) == ["full_s0", "random_f0.3_s0"]
     report = (tmp_path / "results" / "tiny.md").read_text()
     assert "calibration gate: FAILED" in report
+    # The next recipe is chosen on validation: the report of a missed gate shows no held-out figure.
+    results = json.loads((tmp_path / "results" / "tiny.json").read_text())
+    assert "heldout" not in report and "heldout" not in json.dumps(results)
+    assert all("heldout" in json.loads(p.read_text()) for p in (tmp_path / "work" / "arms").iterdir())
     assert (tmp_path / "results" / "tiny.png").stat().st_size > 0
     validation = json.loads((tmp_path / "work" / "data" / "validation.jsonl").read_text().splitlines()[0])
     train = (tmp_path / "work" / "data" / "train.jsonl").read_text()
