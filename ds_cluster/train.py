@@ -32,8 +32,9 @@ from ds_cluster.data.dataset import DEFAULT_MAX_LENGTH, load_instruction_dataset
 from ds_cluster.data.models import load_model_and_tokenizer, with_lora
 from ds_cluster.ds_config import BLOCK_PATH, read_ds_config
 from ds_cluster.fileio import write_json_atomic
-from ds_cluster.integrations.loop import LoopHooks, LoopResult, train_loop
+from ds_cluster.integrations.loop import LoopHooks, LoopResult, MicroStep, train_loop
 from ds_cluster.loader.lr_schedules import run_lr_schedule
+from ds_cluster.loader.sampler import ClusterDataLoader, cluster_loader
 
 logger = logging.getLogger("ds_cluster.train")
 
@@ -141,7 +142,7 @@ def output_dir_problem(output: Path) -> Optional[str]:
     return None
 
 
-def loop_hooks(args: argparse.Namespace, engine: Any, loader: Any, output: Path, rank: int) -> tuple[LoopHooks, Any]:
+def loop_hooks(args: argparse.Namespace, engine: Any, output: Path, rank: int) -> tuple[LoopHooks, Any]:
     """The script's additions to the library's loop: checkpoints every --save-every steps, and
     with --trace every micro-step's indices and loss (one JSONL file per rank). Returns the hooks and the trace file
     to close (None without --trace)."""
@@ -151,10 +152,11 @@ def loop_hooks(args: argparse.Namespace, engine: Any, loader: Any, output: Path,
         (output / "trace").mkdir(parents=True, exist_ok=True)
         trace = open(output / "trace" / f"rank{rank}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
 
-    def traced(batch: Any, loss: float) -> None:
+    def traced(micro: MicroStep) -> None:
         assert trace is not None
-        record = {"epoch": loader.epoch, "micro": loader.position - 1, "step": engine.global_steps,
-                  "indices": batch["sample_index"].tolist(), "loss": loss}
+        indices = micro.batch["sample_index"].tolist() if "sample_index" in micro.batch else None
+        record = {"epoch": micro.epoch, "micro": micro.micro, "step": micro.step, "indices": indices,
+                  "loss": micro.loss}
         trace.write(json.dumps(record) + "\n")
         trace.flush()
 
@@ -175,17 +177,19 @@ def lr_scheduler(args: argparse.Namespace, run_steps: dict[str, int], made: dict
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def write_summary(result: LoopResult, engine: Any, loader: Any, output: Path, rank: int) -> None:
+def write_summary(result: LoopResult, engine: Any, loader: Optional[ClusterDataLoader], output: Path,
+                  rank: int) -> None:
     """This rank's summary_rank<R>.json (steps, time, first and last losses, a digest of the parameters: collective
-    under ZeRO-3), and rank 0's closing log line."""
+    under ZeRO-3), and rank 0's closing log line. `loader`: ds_cluster's, or None for DeepSpeed's own."""
     losses = result.losses
     summary = {"rank": rank, "steps": engine.global_steps, "micro_steps": len(losses), "train_seconds": result.wall,
-               "train_cpu_seconds": result.cpu, "analysis_timings": getattr(loader, "analysis_timings", {}),
+               "train_cpu_seconds": result.cpu,
+               "analysis_timings": loader.analysis_timings if loader is not None else {},
                "first_losses": losses[:4], "last_losses": losses[-4:], "parameter_digest": parameter_digest(engine),
                "learning_rate": engine.get_lr()[0] if engine.get_lr() else None}
     write_json_atomic(output / f"summary_rank{rank}.json", summary)
     if rank == 0:
-        plan_summary = loader.plan.summary() if hasattr(loader, "plan") else {}
+        plan_summary = loader.plan.summary() if loader is not None else {}
         logger.info("done: %d steps in %.1f s, final loss %.4f, kept %s of %s samples", engine.global_steps,
                     result.wall, losses[-1] if losses else float("nan"), plan_summary.get("num_kept"),
                     plan_summary.get("num_samples"))
@@ -219,21 +223,23 @@ def main(argv=None) -> int:
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=trainable,
                                                 training_data=dataset, config=config, lr_scheduler=scheduler,
                                                 collate_fn=trim_padding_collate)
-    made["loader"] = loader
-    if hasattr(loader, "plan"):
-        run_steps["total"] = args.epochs * loader.plan.steps_per_epoch
-        run_steps["total"] = min(run_steps["total"], args.max_steps) if args.max_steps else run_steps["total"]
+    planned = cluster_loader(loader)  # None: the block is disabled or absent, and this is plain DeepSpeed
+    made["loader"] = planned
+    steps_per_epoch = (planned.plan.steps_per_epoch if planned is not None
+                       else len(loader) // engine.gradient_accumulation_steps())
+    run_steps["total"] = args.epochs * steps_per_epoch
+    run_steps["total"] = min(run_steps["total"], args.max_steps) if args.max_steps else run_steps["total"]
     output = Path(args.output_dir)
     checkpoints = output / "checkpoints"
     if rank == 0:
         output.mkdir(parents=True, exist_ok=True)
-        if hasattr(loader, "plan"):
-            loader.plan.save(output / "plan")
+        if planned is not None:
+            planned.plan.save(output / "plan")
     if args.resume and (checkpoints / "latest").exists():
         engine.load_checkpoint(str(checkpoints))
         logger.info("resumed at step %d", engine.global_steps)
 
-    hooks, trace = loop_hooks(args, engine, loader, output, rank)
+    hooks, trace = loop_hooks(args, engine, output, rank)
     try:
         result = train_loop(engine, loader, epochs=args.epochs, max_steps=args.max_steps, hooks=hooks)
     finally:
@@ -241,8 +247,8 @@ def main(argv=None) -> int:
             trace.close()
     if args.save_model:
         save_hf_model(engine, tokenizer, Path(args.save_model), rank)
-    write_summary(result, engine, loader, output, rank)
-    del engine, loader
+    write_summary(result, engine, planned, output, rank)
+    del engine, loader, planned
     gc.collect()
     distributed.shutdown()
     return 0

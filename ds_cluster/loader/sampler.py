@@ -355,6 +355,13 @@ class ClusterDataLoader:
         logger.info("cluster sampler resumed at epoch %d, micro-batch %d", self.epoch, self.position)
 
 
+def cluster_loader(loader: Any) -> Optional[ClusterDataLoader]:
+    """The loader `deepspeed.initialize` returned as ds_cluster's `ClusterDataLoader` (its plan, its figures, what it
+    consumed), or None when it is DeepSpeed's own (the block disabled or absent): the one way a training script asks
+    which it has."""
+    return loader if isinstance(loader, ClusterDataLoader) else None
+
+
 class _OneAtATime:
     """A batch sampler that hands a DataLoader one index list at a time, computed when asked for."""
 
