@@ -33,7 +33,7 @@ from ds_cluster.data.models import load_model_and_tokenizer, with_lora
 from ds_cluster.ds_config import BLOCK_PATH, read_ds_config
 from ds_cluster.fileio import write_json_atomic
 from ds_cluster.integrations.loop import LoopHooks, LoopResult, MicroStep, train_loop
-from ds_cluster.loader.lr_schedules import run_lr_schedule
+from ds_cluster.loader.lr_schedules import LateLRSchedule
 from ds_cluster.loader.sampler import ClusterDataLoader, cluster_loader
 
 logger = logging.getLogger("ds_cluster.train")
@@ -167,16 +167,6 @@ def loop_hooks(args: argparse.Namespace, engine: Any, output: Path, rank: int) -
     return LoopHooks(after_micro_step=traced if trace is not None else None, after_step=checkpoint), trace
 
 
-def lr_scheduler(args: argparse.Namespace, run_steps: dict[str, int], made: dict[str, Any]
-                 ) -> Optional[Callable[[Any], Any]]:
-    """What deepspeed.initialize builds the LR scheduler with (None: constant). The run's length (`run_steps`)
-    and the loader (`made`) are read when the factor is, since both exist only after deepspeed.initialize."""
-    if args.lr_schedule != "cosine":
-        return None
-    factor = run_lr_schedule(lambda: run_steps["total"], args.warmup_fraction, lambda: made.get("loader"))
-    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 def write_summary(result: LoopResult, engine: Any, loader: Optional[ClusterDataLoader], output: Path,
                   rank: int) -> None:
     """This rank's summary_rank<R>.json (steps, time, first and last losses, a digest of the parameters: collective
@@ -184,7 +174,7 @@ def write_summary(result: LoopResult, engine: Any, loader: Optional[ClusterDataL
     losses = result.losses
     summary = {"rank": rank, "steps": engine.global_steps, "micro_steps": len(losses), "train_seconds": result.wall,
                "train_cpu_seconds": result.cpu,
-               "analysis_timings": loader.analysis_timings if loader is not None else {},
+               "analysis_timings": loader.analysis.to_json() if loader is not None and loader.analysis else {},
                "first_losses": losses[:4], "last_losses": losses[-4:], "parameter_digest": parameter_digest(engine),
                "learning_rate": engine.get_lr()[0] if engine.get_lr() else None}
     write_json_atomic(output / f"summary_rank{rank}.json", summary)
@@ -216,19 +206,19 @@ def main(argv=None) -> int:
     dataset = load_instruction_dataset(args.data, tokenizer, max_length=args.max_length)
 
     ds_cluster.install()  # the one line: deepspeed.initialize now returns the cluster-balanced loader
-    run_steps = {"total": 0}
-    made: dict[str, Any] = {}  # the loader, once deepspeed.initialize has built it
-    scheduler = lr_scheduler(args, run_steps, made)
+    # cosine: the run's length and the loader exist only once initialize has returned.
+    late_lr = LateLRSchedule(args.warmup_fraction) if args.lr_schedule == "cosine" else None
     trainable = [param for param in model.parameters() if param.requires_grad]
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=trainable,
-                                                training_data=dataset, config=config, lr_scheduler=scheduler,
+                                                training_data=dataset, config=config,
+                                                lr_scheduler=late_lr.scheduler if late_lr else None,
                                                 collate_fn=trim_padding_collate)
     planned = cluster_loader(loader)  # None: the block is disabled or absent, and this is plain DeepSpeed
-    made["loader"] = planned
     steps_per_epoch = (planned.plan.steps_per_epoch if planned is not None
                        else len(loader) // engine.gradient_accumulation_steps())
-    run_steps["total"] = args.epochs * steps_per_epoch
-    run_steps["total"] = min(run_steps["total"], args.max_steps) if args.max_steps else run_steps["total"]
+    total_steps = args.epochs * steps_per_epoch
+    if late_lr is not None:
+        late_lr.start(loader, min(total_steps, args.max_steps) if args.max_steps else total_steps)
     output = Path(args.output_dir)
     checkpoints = output / "checkpoints"
     if rank == 0:

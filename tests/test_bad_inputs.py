@@ -25,7 +25,7 @@ from ds_cluster.ds_config import read_ds_config
 from ds_cluster.integrations.deepspeed import _initialize
 from ds_cluster.collectives import LOCAL
 from ds_cluster.integrations.setup import ClusterSetup, check_no_curriculum
-from ds_cluster.planning.plan import build_plan
+from tests.planning import plan_of
 from tests.launching import BIN, REPO, job_env, run_mpirun
 from tests.training import train_args
 
@@ -111,7 +111,7 @@ def test_curriculum_and_cluster_sampling_together_name_the_key_to_turn_off():
 # ------------------------------------------------------------------------------------------ planner
 def _plan(features: Optional[np.ndarray], config: ClusterSamplingConfig, world: int = 2, micro: int = 2,
           gas: int = 1, **inputs: Any):
-    return build_plan(features, config, world_size=world, micro_batch_size=micro,
+    return plan_of(features, config, world_size=world, micro_batch_size=micro,
                       gradient_accumulation_steps=gas, **inputs)
 
 
@@ -152,7 +152,7 @@ PLANNER_CASES: list[tuple[str, Callable[[], Any], str]] = [
      r"every sample is excluded .*nothing to train on"),
     ("micro batch 0", lambda: _plan(group_features(), enabled(num_clusters=4), micro=0),
      r"micro_batch_size must be an integer >= 1, got 0"),
-    ("neither features nor labels", lambda: _plan(None, enabled()), r"build_plan needs features, or labels"),
+    ("neither features nor labels", lambda: _plan(None, enabled()), r"a plan needs features, or labels"),
     ("labels only with the default neyman budget", lambda: _plan(None, enabled(selection="random", budget_ratio=0.5),
                                                                labels=np.array([0, 1] * 20)),
      r"budget_mode 'neyman' needs features .*labels only.*set budget_mode 'proportional', 'equal' or 'min'"),

@@ -14,7 +14,7 @@ import torch
 import ds_cluster
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.loader.loss import weighted_lm_loss
-from ds_cluster.planning.plan import build_plan
+from tests.planning import plan_of
 from ds_cluster.loader.sampler import ClusterDataLoader
 from tests.launching import REPO
 
@@ -149,7 +149,7 @@ def _step_losses(reduction: str) -> tuple[float, float]:
                for row in range(num_samples)]
     config = ClusterSamplingConfig(enabled=True, num_clusters=2, budget_mode="proportional", budget_ratio=0.5,
                                    loss_reduction=reduction)
-    plan = build_plan(None, config, world_size=1, micro_batch_size=3, gradient_accumulation_steps=2,
+    plan = plan_of(None, config, world_size=1, micro_batch_size=3, gradient_accumulation_steps=2,
                       labels=np.repeat([0, 1], [16, 8]))
     loader = ClusterDataLoader(dataset, plan, 0)
     logits = {index: torch.as_tensor(rng.normal(size=(length, vocab)), dtype=torch.float32)

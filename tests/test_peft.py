@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from ds_cluster import ClusterSamplingConfig, Plan, build_plan
+from ds_cluster import ClusterSamplingConfig, Plan
+from tests.planning import plan_of
 from ds_cluster.analysis.folder import AnalysisDir
 from ds_cluster.data.models import load_model, with_lora
 from ds_cluster.planning.shares import window_draws
@@ -213,7 +214,7 @@ def expected_plan(config_path: Path, num_rows: int) -> Plan:
     config = ClusterSamplingConfig.from_ds_config(config_path)
     inputs = AnalysisDir(config.analysis_path).load_inputs(num_rows)
     ds_config = json.loads(config_path.read_text())
-    return build_plan(config=config, world_size=2, micro_batch_size=ds_config["train_micro_batch_size_per_gpu"],
+    return plan_of(config=config, world_size=2, micro_batch_size=ds_config["train_micro_batch_size_per_gpu"],
                       gradient_accumulation_steps=ds_config["gradient_accumulation_steps"], **inputs.plan_arguments())
 
 

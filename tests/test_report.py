@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds_cluster import ClusterSamplingConfig, Plan, build_plan
+from ds_cluster import ClusterSamplingConfig, Plan
+from tests.planning import plan_of
 from ds_cluster.data.dataset import prompt_text
 from ds_cluster.report.clusters import describe_clusters, distinguishing_words
 from ds_cluster.report.page import write_report
@@ -53,7 +54,7 @@ def make_plan(features: np.ndarray, paper: bool = False) -> Plan:
     if paper:
         config = ClusterSamplingConfig(enabled=True, preset="paper", kmeans_n_init=2, budget_ratio=0.5)
     exclude = ~np.any(features != 0, axis=1)
-    return build_plan(features, config, world_size=2, micro_batch_size=4, gradient_accumulation_steps=2,
+    return plan_of(features, config, world_size=2, micro_batch_size=4, gradient_accumulation_steps=2,
                       exclude=exclude)
 
 

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_cluster import ClusterSamplingConfig, build_plan
+from ds_cluster import ClusterSamplingConfig
+from tests.planning import plan_of
 from ds_cluster.planning import diversity
 from ds_cluster.planning.diversity import semantic_dedup
 from ds_cluster.planning.selection import select_in_clusters
@@ -96,10 +97,10 @@ def test_plan_with_tempered_weights():
     features, _ = blobs([120, 50, 30])
     shape = {"world_size": 1, "micro_batch_size": 2, "gradient_accumulation_steps": 1}
     block = {"num_clusters": 3, "budget_mode": "equal", "budget_ratio": 0.3, "capacity_factor": None}
-    default = build_plan(features, config(**block), **shape)
-    explicit_one = build_plan(features, config(**block, weight_temperature=1.0), **shape)
-    half = build_plan(features, config(**block, weight_temperature=0.5), **shape)
-    flat = build_plan(features, config(**block, weight_temperature=0.0), **shape)
+    default = plan_of(features, config(**block), **shape)
+    explicit_one = plan_of(features, config(**block, weight_temperature=1.0), **shape)
+    half = plan_of(features, config(**block, weight_temperature=0.5), **shape)
+    flat = plan_of(features, config(**block, weight_temperature=0.0), **shape)
     assert np.array_equal(explicit_one.weights, default.weights)
     assert explicit_one.fingerprint() == default.fingerprint()
     assert "weight_temperature" not in default.settings and half.settings["weight_temperature"] == 0.5
@@ -216,20 +217,20 @@ def test_semdedup_plan_end_to_end():
     shape = {"world_size": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 1}
     block = {"num_clusters": 3, "budget_mode": "proportional", "budget_ratio": 0.4, "capacity_factor": None,
              "selection": "semdedup", "dedup_similarity": 0.999}
-    plan = build_plan(features, config(**block), **shape)
+    plan = plan_of(features, config(**block), **shape)
     assert np.array_equal(np.bincount(plan.labels[plan.selected], minlength=3), plan.kept_sizes)
     kept_rows = features[plan.selected]
     assert np.unique(kept_rows, axis=0).shape[0] == plan.num_kept  # room for distinct rows: no repeat kept
     assert plan.settings["dedup_similarity"] == 0.999
-    again = build_plan(features, config(**block), **shape)
+    again = plan_of(features, config(**block), **shape)
     assert again.fingerprint() == plan.fingerprint()
-    assert build_plan(features, config(**block, seed=8), **shape).fingerprint() != plan.fingerprint()
+    assert plan_of(features, config(**block, seed=8), **shape).fingerprint() != plan.fingerprint()
     # Without the features themselves it stops and says so.
     labels = plan.labels
     with pytest.raises(ValueError, match="'semdedup' needs the features themselves"):
-        build_plan(None, config(**block), **shape, labels=labels)
+        plan_of(None, config(**block), **shape, labels=labels)
     with pytest.raises(ValueError, match="'semdedup' needs the features themselves, and there are none"):
-        build_plan(None, config(**block), **shape, labels=labels, distances=plan.distances)
+        plan_of(None, config(**block), **shape, labels=labels, distances=plan.distances)
 
 
 # ---------------------------------------------------------------------------------------------- config

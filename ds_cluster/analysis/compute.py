@@ -31,6 +31,7 @@ from ds_cluster.settings import ClusteringSettings, FeatureSettings, stages_of
 logger = logging.getLogger(__name__)
 
 
+
 def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike], settings: Any,
             *, kind: Optional[str] = None, dim: Optional[int] = None, batch_size: int = 8,
             store_dir: Union[None, str, os.PathLike] = None, recompute: bool = False,

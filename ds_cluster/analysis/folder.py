@@ -20,16 +20,18 @@ write leaves the previous analysis intact.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 
+from ds_cluster.clustering.samples import PlanInputs
 from ds_cluster.fileio import replace_dir, staging_dir, write_json_atomic, write_npy_atomic
 
 ANALYSIS_FORMAT_VERSION = 1
@@ -38,20 +40,37 @@ MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
 
 
-@dataclass
-class PlanInputs:
-    """What the plan is built from: features and/or labels of an analysis, and the samples left out."""
+@dataclass(frozen=True)
+class AnalysisTimings:
+    """Wall seconds of an analysis's parts (its summary.json's `timings_s`): the features pass over every rank, rank
+    0's seconds in the engine's forwards and in the features computed from them, k-means, and the whole."""
 
-    features: Optional[np.ndarray]
-    labels: Optional[np.ndarray]
-    exclude: Optional[np.ndarray]
-    distances: Optional[np.ndarray] = None  # with labels: each sample's distance to its k-means centre
-    centroids: Optional[np.ndarray] = None
+    extract: float = 0.0
+    extract_forward: float = 0.0
+    extract_features: float = 0.0
+    cluster: float = 0.0
+    total: float = 0.0
 
-    def plan_arguments(self) -> dict:
-        """Keyword arguments of `build_plan` (features first)."""
-        return {"features": self.features, "labels": self.labels, "exclude": self.exclude,
-                "distances": self.distances, "centroids": self.centroids}
+    @classmethod
+    def from_json(cls, timings: Mapping[str, float]) -> "AnalysisTimings":
+        return cls(**{item.name: float(timings.get(item.name, 0.0)) for item in dataclasses.fields(cls)})
+
+    def to_json(self) -> dict[str, float]:
+        return {item.name: getattr(self, item.name) for item in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class InJobAnalysis:
+    """An analysis a training job computed before its first step: its parts' timings, and the wall and CPU seconds
+    the set-up spent on it (engine start included). What `ClusterDataLoader.analysis` holds (None: read)."""
+
+    timings: AnalysisTimings
+    wall: float
+    cpu: float
+
+    def to_json(self) -> dict[str, float]:
+        """As a training summary writes it (`analysis_timings`)."""
+        return {**self.timings.to_json(), "wall": self.wall, "cpu": self.cpu}
 
 
 class AnalysisDir:
@@ -90,7 +109,7 @@ class AnalysisDir:
 
     # ------------------------------------------------------------------ read and check
     def load_inputs(self, dataset_size: int, dataset_fingerprint: Optional[str] = None) -> PlanInputs:
-        """features/labels for `build_plan`, checked against the dataset about to be trained on.
+        """features/labels for `clustering.samples.cluster_samples`, checked against the dataset about to be trained on.
 
         The arrays must have one row per sample; when manifest.json records a
         dataset fingerprint, it must be `dataset_fingerprint` (an analysis of

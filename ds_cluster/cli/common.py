@@ -6,7 +6,7 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ds_cluster.analysis.folder import PlanInputs
+    from ds_cluster.clustering.samples import PlanInputs
     from ds_cluster.planning.plan import Plan
 
 logger = logging.getLogger("ds_cluster.cli")
@@ -51,6 +51,7 @@ def build_plan_from_args(args: argparse.Namespace) -> tuple["Plan", "PlanInputs"
     from ds_cluster.batching import batch_shape_from_config
     from ds_cluster.config import ClusterSamplingConfig
     from ds_cluster.ds_config import read_ds_config
+    from ds_cluster.clustering.samples import cluster_samples
     from ds_cluster.planning.plan import build_plan
 
     config_dict, source = read_ds_config(args.deepspeed)
@@ -62,8 +63,6 @@ def build_plan_from_args(args: argparse.Namespace) -> tuple["Plan", "PlanInputs"
                                     gradient_accumulation_steps=args.gradient_accumulation_steps, flags=BATCH_FLAGS)
     analysis = AnalysisDir(args.analysis)
     inputs = analysis.load_inputs(analysis.num_samples())
-    plan = build_plan(config=settings, world_size=shape.world_size,
-                      micro_batch_size=shape.micro_batch_size,
-                      gradient_accumulation_steps=shape.gradient_accumulation_steps,
-                      **inputs.plan_arguments())
+    stages = settings.stages()
+    plan = build_plan(cluster_samples(inputs, stages.clustering, shape.world_size), stages, shape)
     return plan, inputs

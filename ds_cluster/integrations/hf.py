@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -279,12 +279,12 @@ class ClusterSamplingMixin:
         super()._save_checkpoint(model, trial)
         if self.cluster_loader is None:
             return
-        state = self.cluster_loader.state_dict(self.state.global_step)  # collective for the adaptive schedule
+        # The position from the optimizer step, not from what the loader has read ahead (workers prefetch);
+        # collective for the adaptive schedule.
+        state = self.cluster_loader.state_dict(self.state.global_step)
         if distributed.get_rank() != 0:
             return
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        # The position from the optimizer step, not from what the loader has read ahead (workers prefetch).
-        state["epoch"], state["position"] = self.cluster_loader.resume_point(self.state.global_step)
         write_json_atomic(folder / SAMPLER_STATE_FILE, state)
 
     def _check_sampler_state(self, checkpoint: str, plan: Plan) -> None:

@@ -62,25 +62,22 @@ class _Epochs:
     def __init__(self, loader: Any) -> None:
         self.loader = loader
         self.cluster: Optional[ClusterDataLoader] = cluster_loader(loader)
-        self._epoch, self._micro = 0, 0
+        self._epoch, self._handed = 0, 0  # DeepSpeed's loader: the epoch, and its micro-batches handed out
 
     @property
     def completed(self) -> int:
         return self.cluster.completed_epochs if self.cluster is not None else self._epoch
 
-    @property
-    def epoch(self) -> int:
-        return self.cluster.epoch if self.cluster is not None else self._epoch
-
-    @property
-    def micro(self) -> int:
-        """Micro-batches of the current epoch handed to the loop."""
-        return self.cluster.position if self.cluster is not None else self._micro
+    def last(self) -> tuple[int, int]:
+        """(epoch, place in it) of the micro-batch handed out last."""
+        if self.cluster is None:
+            return self._epoch, self._handed - 1
+        return divmod(self.cluster.micro_batch - 1, self.cluster.micro_batches_per_epoch)
 
     @property
     def ended_epoch(self) -> bool:
-        """Whether the last pass ran its epoch to the end."""
-        return self.cluster.position >= self.cluster.micro_batches_per_epoch if self.cluster is not None else True
+        """Whether the last pass ran its epoch to the end (not cut short by the schedule ending the run)."""
+        return self.cluster is None or (self.cluster.position == 0 and not self.cluster.finished)
 
     def batches(self) -> Iterator[Any]:
         if self.cluster is not None:
@@ -89,9 +86,9 @@ class _Epochs:
         sampler = getattr(self.loader, "data_sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self._epoch)  # DistributedSampler's order of this epoch
-        self._micro = 0
+        self._handed = 0
         for batch in self.loader:
-            self._micro += 1
+            self._handed += 1
             yield batch
         self._epoch += 1
 
@@ -106,7 +103,6 @@ def train_loop(engine: Any, loader: Any, *, epochs: int, max_steps: int = 0,
     result = LoopResult()
     epochs_done = _Epochs(loader)
     loss_of = weighted_causal_lm_loss if epochs_done.cluster is not None else causal_lm_loss
-    micro_per_step = engine.gradient_accumulation_steps()
     started, cpu_started = time.perf_counter(), time.process_time()
     stop = False
     while not stop and epochs_done.completed < epochs:
@@ -121,12 +117,13 @@ def train_loop(engine: Any, loader: Any, *, epochs: int, max_steps: int = 0,
             outputs = engine(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
             loss = loss_of(outputs, inputs)
             engine.backward(loss)
+            steps_before = engine.global_steps
             engine.step()
             result.losses.append(float(loss.detach().float()))
             if hooks.after_micro_step is not None:
-                hooks.after_micro_step(MicroStep(epochs_done.epoch, epochs_done.micro - 1, engine.global_steps, batch,
-                                                 result.losses[-1]))
-            if epochs_done.micro % micro_per_step:
+                epoch, micro = epochs_done.last()
+                hooks.after_micro_step(MicroStep(epoch, micro, engine.global_steps, batch, result.losses[-1]))
+            if engine.global_steps == steps_before:
                 continue  # inside a gradient-accumulation window
             step = engine.global_steps
             if (hooks.after_step is not None and hooks.after_step(step)) or (max_steps and step >= max_steps):

@@ -33,14 +33,16 @@ from typing import Any, Callable, Mapping, Optional
 
 
 from ds_cluster import distributed
-from ds_cluster.analysis.folder import AnalysisDir, PlanInputs
+from ds_cluster.analysis.folder import AnalysisDir
+from ds_cluster.clustering.samples import PlanInputs, cluster_samples
 from ds_cluster.batching import BatchShape, check_batch_arithmetic
 from ds_cluster.collectives import Collectives
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.data.dataset import dataset_fingerprint
 from ds_cluster.features.source import feature_source
 from ds_cluster.loader.adaptive import AdaptiveSchedule
-from ds_cluster.loader.sampler import ClusterDataLoader
+from ds_cluster.analysis.folder import AnalysisTimings, InJobAnalysis
+from ds_cluster.loader.sampler import ClusterDataLoader, batch_reader
 from ds_cluster.loader.schedule import Schedule, StaticSchedule
 from ds_cluster.planning.plan import Plan, build_plan
 
@@ -163,8 +165,8 @@ class ClusterSetup:
 
         Runs `check` first unless the trainer already did (the hook does, before
         building its engine); `check_world_size` is what that check compares the
-        batch arithmetic with. The loader's `analysis_timings` say what computing
-        the analysis in the job cost (empty when it was read).
+        batch arithmetic with. The loader's `analysis` says what computing the
+        analysis in the job cost (None when it was read).
         """
         if adapter.shape.world_size != adapter.data_parallel.world_size:
             raise ValueError(f"{adapter.name}: the batch shape has {adapter.shape.world_size} data-parallel ranks but "
@@ -172,28 +174,31 @@ class ClusterSetup:
         self.release_shared_memory()  # again: the engine may have started DeepSpeed's communication just now
         if not self._checked:
             self.check(check_world_size)
-        inputs, timings = self._inputs, {}
+        inputs, in_job = self._inputs, None
         if inputs is None:
-            inputs, timings = self.analyze_in_job(adapter)
+            inputs, in_job = self.analyze_in_job(adapter)
         plan = self.agreed_plan(adapter.shape, inputs)
         dataset = self.training_data if adapter.loader_dataset is None else adapter.loader_dataset
         rank = adapter.data_parallel.rank
-        schedule: Schedule = (AdaptiveSchedule(plan, rank, self.stages.schedule, collectives=adapter.data_parallel,
-                                               probe_losses=adapter.probe_losses)
-                              if self.stages.schedule.adaptive else StaticSchedule(plan, rank))
-        loader = ClusterDataLoader(dataset, plan, rank, schedule=schedule, loss=self.stages.loss,
-                                   collectives=adapter.data_parallel, collate_fn=adapter.collate_fn)
-        loader.analysis_timings = timings
-        return loader
+        schedule: Schedule = StaticSchedule(plan, rank)
+        if self.stages.schedule.adaptive:
+            probe = None
+            if adapter.probe_losses is not None:
+                read, losses_of = batch_reader(dataset, adapter.collate_fn), adapter.probe_losses
+                probe = lambda indices: losses_of(read(indices))  # noqa: E731
+            schedule = AdaptiveSchedule(plan, rank, self.stages.schedule, collectives=adapter.data_parallel,
+                                        probe_losses=probe)
+        return ClusterDataLoader(dataset, plan, rank, schedule=schedule, loss=self.stages.loss,
+                                 collectives=adapter.data_parallel, collate_fn=adapter.collate_fn, analysis=in_job)
 
-    def analyze_in_job(self, adapter: TrainerAdapter) -> tuple[PlanInputs, dict[str, float]]:
+    def analyze_in_job(self, adapter: TrainerAdapter) -> tuple[PlanInputs, InJobAnalysis]:
         """Collective: selection in the training job itself, features by the job's engine, k-means, the folder.
 
         With `config.feature_model` the features come from that checkpoint instead,
         in its own forward-only engine under the job's ZeRO stage, on the samples
         re-encoded with its tokenizer. Feature extraction is shared over every rank;
         the feature store inside the folder makes a crashed job's rerun resume it.
-        Returns the plan inputs and the timings (seconds).
+        Returns the plan inputs and what the analysis cost.
         """
         from ds_cluster.analysis.compute import analyze
 
@@ -219,20 +224,18 @@ class ClusterSetup:
         inputs = self.everyone.run_agreed("reading the analysis just computed", self.read_inputs,
                                           errors=(ValueError, FileNotFoundError))
         assert inputs is not None
-        timings = {name: float(value) for name, value in summary.get("timings_s", {}).items()}
-        timings.update(wall=time.perf_counter() - started, cpu=time.process_time() - cpu_started)
+        in_job = InJobAnalysis(AnalysisTimings.from_json(summary.get("timings_s", {})),
+                               wall=time.perf_counter() - started, cpu=time.process_time() - cpu_started)
         logger.info("ds_cluster: analysis computed in the training job in %.1f s (extraction %.1f s, clustering "
-                    "%.1f s): %s", timings["wall"], timings.get("extract", 0.0), timings.get("cluster", 0.0),
+                    "%.1f s): %s", in_job.wall, in_job.timings.extract, in_job.timings.cluster,
                     self.config.analysis_path)
-        return inputs, timings
+        return inputs, in_job
 
     def agreed_plan(self, shape: BatchShape, inputs: Optional[PlanInputs] = None) -> Plan:
         """Collective: the plan for this batch shape, the same on every rank, or an error on every rank."""
         def build() -> Plan:
             given = inputs if inputs is not None else self.read_inputs()
-            return build_plan(config=self.stages, world_size=shape.world_size, micro_batch_size=shape.micro_batch_size,
-                              gradient_accumulation_steps=shape.gradient_accumulation_steps,
-                              **given.plan_arguments())
+            return build_plan(cluster_samples(given, self.stages.clustering, shape.world_size), self.stages, shape)
 
         plan = self.everyone.run_agreed("building the cluster plan", build, errors=(ValueError, FileNotFoundError))
         assert plan is not None

@@ -68,7 +68,8 @@ def main() -> None:
         (out / "run.json").write_text(json.dumps({
             "num_rows": len(trainer.train_dataset), "plan": trainer.plan.summary(),
             "labels": trainer.plan.labels.tolist(), "cluster_sizes": trainer.plan.cluster_sizes.tolist(), "settings": trainer.plan.settings,
-            "analysis_timings": trainer.cluster_loader.analysis_timings, "log_history": trainer.state.log_history,
+            "analysis_timings": (trainer.cluster_loader.analysis.to_json() if trainer.cluster_loader.analysis
+                                 else {}), "log_history": trainer.state.log_history,
             "model_class": type(trainer.model).__name__,
             "trainable": [name for name, param in trainer.model.named_parameters() if param.requires_grad]}))
     del trainer
