@@ -89,7 +89,7 @@ def main() -> int:
     out.with_suffix(".json").write_text(json.dumps({"vocab": VOCAB, "answer_tokens": ANSWER, "hidden": HIDDEN,
                                                     "cases": rows}, indent=2) + "\n")
     lines = [f"# Extraction memory: vocabulary {VOCAB:,}, one answer of {ANSWER:,} tokens, hidden {HIDDEN}", "",
-             f"`python bench/extraction_memory.py`; one process per case, peak resident memory (getrusage).", "",
+             "`python bench/extraction_memory.py`; one process per case, peak resident memory (getrusage).", "",
              "| kind | chunk (positions per softmax) | peak MB | seconds | max abs difference to unchunked |",
              "|---|---|---|---|---|"]
     lines += [f"| {r['kind']} | {r['chunk']}{' (unchunked)' if r['chunk'] == ANSWER else ''} | {r['peak_mb']:.0f} | "

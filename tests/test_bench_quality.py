@@ -187,6 +187,28 @@ def test_real_data_arms_job_spec(tmp_path):
     assert sources["smollm2"]["feature_max_length"] == SMOLLM2_FEATURE_MAX_LENGTH
 
 
+def test_the_job_spec_is_typed_and_its_gate_reads_its_arms_by_kind_not_by_place(tmp_path):
+    from dataclasses import replace
+
+    from bench.harness.spec import GateSpec, JobSpec
+
+    write_mixture(tmp_path / "data", seed=5, total=240, heldout_per_family=3)
+    settings = _settings(["--synthetic", "--data", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work")])
+    written = _spec(settings)
+    spec = JobSpec.from_json(written)
+    assert spec.to_json() == written  # the job reads exactly what the parent wrote
+    assert [arm.method for arm in spec.arms[:2]] == ["full", "random"]
+    assert (spec.gate.full, spec.gate.random, spec.gate_after) == (spec.arms[0].name, spec.arms[1].name,
+                                                                   spec.arms[1].name)
+    shuffled = list(reversed(spec.arms))
+    gate = GateSpec.of(spec.gate.kind, shuffled, spec.gate.small_families, settings.seeds[0])
+    assert (gate.full, gate.random) == (spec.gate.full, spec.gate.random)
+    assert gate.after(shuffled) == spec.gate.full  # the later of the two in the new order
+    with pytest.raises(ValueError, match="needs a random arm"):
+        GateSpec.of(spec.gate.kind, [arm for arm in spec.arms if arm.method != "random"], [], settings.seeds[0])
+    assert replace(spec, launched_at=1.0).to_json()["launched_at"] == 1.0
+
+
 def test_gzipped_data_is_read_when_plain_is_absent(tmp_path):
     from bench.harness.data import prepare_data
     from bench.harness.instrument import data_file
@@ -282,9 +304,10 @@ def _kept(arm: dict, spec: dict, sizes: dict) -> int:
     `sizes` as every clustering's cluster sizes: a paper arm by its budget rule, any other by budget_samples."""
     from bench.harness.arms import Arm
     from bench.harness.job import resolve_arm
+    from bench.harness.spec import JobSpec
     from ds_cluster.planning.budget import cluster_budgets
 
-    block, _, kept = resolve_arm(Arm.from_json(arm), spec)
+    block, _, kept = resolve_arm(Arm.from_json(arm), JobSpec.from_json(spec))
     if arm["method"] != "paper":
         return kept
     return int(cluster_budgets(np.array(sizes[arm["analysis"]]), "min", block["budget_ratio"]).sum())

@@ -155,7 +155,7 @@ def _step_losses(reduction: str) -> tuple[float, float]:
     logits = {index: torch.as_tensor(rng.normal(size=(length, vocab)), dtype=torch.float32)
               for index in range(num_samples)}
     accumulated, step_items = 0.0, []
-    for micro, batch in zip(range(2), loader):
+    for _micro, batch in zip(range(2), loader):
         batch_logits = torch.stack([logits[int(i)] for i in batch["sample_index"]])
         accumulated += float(weighted_lm_loss(batch_logits, batch["labels"], batch["sample_weight"],
                                               batch.get("loss_normalizer"))) / 2

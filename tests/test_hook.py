@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -186,7 +187,7 @@ def test_training_script_with_the_block_disabled_is_plain_deepspeed(small_job, t
     args[args.index("--analysis") + 1] = str(tmp_path / "analysis")
     check(run_deepspeed(args, timeout=300))
     records = len((small_job / "train.jsonl").read_text().splitlines())
-    micro_batches = -(-(-(-records // 2)) // config["train_micro_batch_size_per_gpu"])  # DistributedSampler's
+    micro_batches = math.ceil(math.ceil(records / 2) / config["train_micro_batch_size_per_gpu"])  # DistributedSampler's
     steps = micro_batches // config["gradient_accumulation_steps"]
     summaries = [json.loads((out / f"summary_rank{rank}.json").read_text()) for rank in range(2)]
     assert [summary["steps"] for summary in summaries] == [steps, steps]

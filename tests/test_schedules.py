@@ -49,7 +49,7 @@ def test_a_runs_lr_schedule_is_cosine_unless_its_loader_may_end_the_run_with_a_c
 
     cosine = warmup_cosine(lambda: 100, 0.05)
     for loader in (Loader(None), None):  # a static or fixed-budget schedule; no loader yet
-        factor = run_lr_schedule(lambda: 100, 0.05, lambda: loader)
+        factor = run_lr_schedule(lambda: 100, 0.05, lambda loader=loader: loader)
         assert [factor(step) for step in (0, 3, 50, 90)] == [cosine(step) for step in (0, 3, 50, 90)]
     made = {"loader": Loader(RunEnd(0.2, (40, 60)))}  # an auto budget with auto_cooldown 0.2 (its default)
     factor = run_lr_schedule(lambda: 100, 0.05, lambda: made["loader"])

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.harness.arms import setting_name
+from bench.harness.arms import RECOMMENDED_METHODS, Method, setting_name
 
 TIME_RATIO_MAX = 0.40
 EXACT_MATCH_GAP_MAX = 0.01
@@ -41,7 +41,7 @@ def evaluate_goals(summary: dict, settings: Any) -> list[dict]:
     full = settings_summary.get("full")
     rows = []
     time_goal = getattr(settings, "time_goal", TIME_RATIO_MAX)
-    for method in ("recommended", "recommended_small", "recommended_smollm2", "paper"):
+    for method in (*RECOMMENDED_METHODS, Method.PAPER):
         for fraction in settings.fractions:
             entry = settings_summary.get(setting_name(method, fraction))
             if entry is None or full is None:
@@ -62,7 +62,7 @@ def evaluate_goals(summary: dict, settings: Any) -> list[dict]:
                 rows.append({"goal": f"{label}: worst-family answer loss below random's",
                              "met": worst["mean"] < 0,
                              "measured": f"difference {worst['mean']:+.4f} ± {worst['ci']:.4f}"})
-            if getattr(settings, "instrument", "synthetic") == "real" and method.startswith("recommended"):
+            if getattr(settings, "instrument", "synthetic") == "real" and method in RECOMMENDED_METHODS:
                 rows.extend(_real_goals(label, entry, fraction == settings.headline_fraction))
                 rows.extend(_below("full data stopped at the same step count (full_cut)", label, entry.get("vs_full_cut")))
                 if time_goal < TIME_RATIO_MAX:  # the capable-model instrument

@@ -195,8 +195,10 @@ def job_env(extra: Optional[dict] = None) -> dict:
 
 def with_feature_models(settings: Settings) -> Settings:
     """Drop the SmolLM2 feature arms, saying why, when its checkpoint is not there (or not asked for)."""
+    from bench.harness.arms import kind_and_source
+
     kinds = settings.candidates or settings.arms
-    wanted = [kind for kind in kinds if kind.endswith("_smollm2")]
+    wanted = [kind for kind in kinds if kind_and_source(kind, settings.candidates)[1] == "smollm2"]
     if not wanted:
         return replace(settings, smollm2=None)
     if settings.smollm2 is not None and (Path(settings.smollm2) / "config.json").is_file():

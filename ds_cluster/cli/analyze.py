@@ -67,7 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from ds_cluster.analysis.compute import analyze
+    import dataclasses
+
+    from ds_cluster.analysis.compute import AnalysedData, AnalysisOptions, analyze
     from ds_cluster.config import ClusterSamplingConfig
     from ds_cluster.data.dataset import DEFAULT_MAX_LENGTH, load_instruction_dataset
     from ds_cluster.data.models import load_tokenizer
@@ -84,21 +86,24 @@ def run(args: argparse.Namespace) -> int:
         if args.feature_model:
             settings.feature_model = args.feature_model
         stages = settings.stages()
+        # --kind and --dim choose the features instead of the config's keys.
+        stages = dataclasses.replace(stages, features=dataclasses.replace(
+            stages.features, kind=args.kind or stages.features.kind,
+            dim=args.dim if args.dim is not None else stages.features.dim))
         max_length = args.max_length or DEFAULT_MAX_LENGTH
         # The data as the training job tokenizes it (the trained model's tokenizer); the features from --model's
         # forward-only engine, or from a separate feature model's on its own re-encoding of the same records.
         dataset = load_instruction_dataset(args.data, load_tokenizer(args.model), max_length=max_length)
         with feature_source(stages.features, dataset, ds_config=ds_config, model=args.model) as features:
             loaded = time.perf_counter()
-            summary = analyze(features.engine, features.dataset, args.out, stages, kind=args.kind, dim=args.dim,
-                              batch_size=args.batch_size, store_dir=args.store, recompute=args.recompute,
-                              shard_size=args.shard_size or DEFAULT_SHARD_SIZE, show_progress=not args.no_progress,
-                              analysis_of=dataset, collectives=collectives(),
-                              provenance={"model": os.fspath(args.model), "data": os.fspath(args.data),
-                                          "feature_model": stages.features.model,
-                                          "max_length": max_length, "ds_config": source,
-                                          "zero_stage": int((ds_config.get("zero_optimization") or {}).get("stage",
-                                                                                                           0))})
+            options = AnalysisOptions(
+                batch_size=args.batch_size, store_dir=args.store, recompute=args.recompute,
+                shard_size=args.shard_size or DEFAULT_SHARD_SIZE, show_progress=not args.no_progress,
+                of_data=AnalysedData(dataset),
+                provenance={"model": os.fspath(args.model), "data": os.fspath(args.data),
+                            "feature_model": stages.features.model, "max_length": max_length, "ds_config": source,
+                            "zero_stage": int((ds_config.get("zero_optimization") or {}).get("stage", 0))})
+            summary = analyze(features.engine, features.dataset, args.out, stages, options, collectives()).summary
     except (ValueError, FileNotFoundError) as err:
         # Bad input (config, data, a store made with other settings): a message, not a traceback.
         return input_error("analyze", err)

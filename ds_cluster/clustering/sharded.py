@@ -60,7 +60,7 @@ def cluster_sharded(rows: np.ndarray, points: np.ndarray, *, num_samples: int, n
     dim = points.shape[1]
     variance = np.mean(moments[dim:] / total - (moments[:dim] / total) ** 2)
     iterations = 0
-    for iterations in range(1, max_iter + 1):
+    for iterations in range(1, max_iter + 1):  # noqa: B007 (the count after the loop is reported)
         labels = nearest_centroids(points, centroids, 1)[0][:, 0]
         membership = sparse.csr_matrix((np.ones(labels.size), (labels, np.arange(labels.size))),
                                        shape=(num_clusters, labels.size))

@@ -41,7 +41,7 @@ from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.data.dataset import dataset_fingerprint
 from ds_cluster.features.source import feature_source
 from ds_cluster.loader.adaptive import AdaptiveSchedule
-from ds_cluster.analysis.folder import AnalysisTimings, InJobAnalysis
+from ds_cluster.analysis.folder import InJobAnalysis
 from ds_cluster.loader.sampler import ClusterDataLoader, batch_reader
 from ds_cluster.loader.schedule import Schedule, StaticSchedule
 from ds_cluster.planning.plan import Plan, build_plan
@@ -200,7 +200,7 @@ class ClusterSetup:
         the feature store inside the folder makes a crashed job's rerun resume it.
         Returns the plan inputs and what the analysis cost.
         """
-        from ds_cluster.analysis.compute import analyze
+        from ds_cluster.analysis.compute import AnalysedData, AnalysisOptions, analyze
 
         started, cpu_started = time.perf_counter(), time.process_time()
         features = self.stages.features
@@ -214,18 +214,18 @@ class ClusterSetup:
             # The job's engine (the hook), else a forward-only one of the model (a Trainer), else a feature model.
             with feature_source(features, self.training_data, ds_config=self.ds_config,
                                 engine=engine, model=adapter.model) as source:
-                summary = analyze(source.engine, source.dataset, self.config.analysis_path, self.stages,
-                                  batch_size=adapter.shape.micro_batch_size, show_progress=self.everyone.rank == 0,
-                                  provenance=provenance, collectives=self.everyone, analysis_of=self.training_data,
-                                  analysis_of_fingerprint=self.data_fingerprint)
+                options = AnalysisOptions(batch_size=adapter.shape.micro_batch_size,
+                                          show_progress=self.everyone.rank == 0, provenance=provenance,
+                                          of_data=AnalysedData(self.training_data, self.data_fingerprint))
+                result = analyze(source.engine, source.dataset, self.config.analysis_path, self.stages, options,
+                                 self.everyone)
         finally:
             if built and hasattr(engine, "destroy"):
                 engine.destroy()
         inputs = self.everyone.run_agreed("reading the analysis just computed", self.read_inputs,
                                           errors=(ValueError, FileNotFoundError))
         assert inputs is not None
-        in_job = InJobAnalysis(AnalysisTimings.from_json(summary.get("timings_s", {})),
-                               wall=time.perf_counter() - started, cpu=time.process_time() - cpu_started)
+        in_job = InJobAnalysis(result.timings, wall=time.perf_counter() - started, cpu=time.process_time() - cpu_started)
         logger.info("ds_cluster: analysis computed in the training job in %.1f s (extraction %.1f s, clustering "
                     "%.1f s): %s", in_job.wall, in_job.timings.extract, in_job.timings.cluster,
                     self.config.analysis_path)
