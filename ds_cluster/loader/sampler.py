@@ -118,6 +118,13 @@ class ClusterDataLoader:
     (0.5.0): a sum alone, when there are no collectives to give.
     """
 
+    # The one position: micro-batches of the whole run handed to the training loop (not what a prefetching
+    # DataLoader read ahead); the epoch and the place in it follow from it.
+    micro_batch: int = 0
+    # How this run's analysis came about: computed in the job (its timings), or None when it was read.
+    analysis: Optional[InJobAnalysis] = None
+    finished: bool = False  # the schedule has ended the run before its step cap (the adaptive auto budget)
+
     # 0.5.0's names, and what to use instead.
     _MOVED = {"rank_schedule": "loader.plan.rank_layout(epoch, loader.rank)",
               "prepare_epoch": "loader.prepare_iteration()", "epoch_batches": "loader.trainer_batches()",
@@ -149,10 +156,8 @@ class ClusterDataLoader:
         if self.loss.reduction == "token" and plan.world_size > 1 and collectives.world_size != plan.world_size:
             raise ValueError("loss_reduction 'token' with several ranks needs the data-parallel collectives (the "
                              "hook and ClusterTrainer pass them)")
-        # The one position: micro-batches of the whole run handed to the training loop (not what a prefetching
-        # DataLoader read ahead); the epoch and the place in it follow from it.
         self.micro_batch = 0
-        self.finished = False  # the schedule has ended the run before its step cap (the adaptive auto budget)
+        self.finished = False
         self.tally = ClusterTally(plan.labels, plan.num_clusters)  # the training losses, per cluster
         self.figures = ClusterFigures(self.tally)  # what a monitor shows per cluster
         self._block: Optional[Block] = None
