@@ -47,8 +47,8 @@ def one_case(kind: str, chunk: int, out: Path) -> None:
     sample = {"input_ids": input_ids, "attention_mask": torch.ones(length, dtype=torch.int64), "labels": labels}
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
-    result = run_extraction(model, [sample], kind=kind, dim=1024 if feature_kind(kind).projected else None, batch_size=1,
-                            chunk_size=chunk, show_progress=False)
+    result = run_extraction(model, [sample], kind=kind, dim=1024 if feature_kind(kind).projected else None,
+                            batch_size=1, chunk_size=chunk, show_progress=False)
     seconds = time.perf_counter() - started
     np.save(out / f"{kind}_{chunk}.npy", result.features)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

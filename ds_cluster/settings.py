@@ -114,7 +114,8 @@ class SelectionSettings(_Declared):
     selection: str = declared("selection", "random")
     dedup_similarity: float = declared("dedup_similarity", 0.95, unrecorded=AT_DEFAULT)
     weighting: str = declared("weighting", SHARED_DEFAULTS["weighting"])
-    weight_temperature: float = declared("weight_temperature", SHARED_DEFAULTS["weight_temperature"], unrecorded=AT_DEFAULT)
+    weight_temperature: float = declared("weight_temperature", SHARED_DEFAULTS["weight_temperature"],
+                                         unrecorded=AT_DEFAULT)
     allocation: str = declared("allocation", "stratified")
     seed: int = declared("seed", SHARED_DEFAULTS["seed"])
 

@@ -41,7 +41,8 @@ logger = logging.getLogger("ds_cluster.train")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--deepspeed", required=True, help="DeepSpeed config (JSON or HJSON) with a cluster_sampling block")
+    parser.add_argument("--deepspeed", required=True,
+                        help="DeepSpeed config (JSON or HJSON) with a cluster_sampling block")
     parser.add_argument("--model", required=True, help="a local Hugging Face causal-LM checkpoint folder")
     parser.add_argument("--data", required=True,
                         help="records as JSONL (.jsonl or .jsonl.gz) or a datasets save_to_disk folder: Alpaca "

@@ -68,7 +68,8 @@ CONFIG_CASES = [
     ({"enabled": True, "kmeans_n_init": 0}, ["'kmeans_n_init'", "greater than or equal to 1"]),
     ({"enabled": True, "budget_samples": 0}, ["'budget_samples'", "greater than or equal to 1"]),
     ({"enabled": "maybe"}, ["'enabled'", "'maybe'"]),
-    ({"enabled": True, "feature_kind": "layers"}, ["'feature_kind'", "'layers' is not available", "'proxy'", "'lm_head'"]),
+    ({"enabled": True, "feature_kind": "layers"},
+     ["'feature_kind'", "'layers' is not available", "'proxy'", "'lm_head'"]),
     ({"enabled": True, "loss_reduction": "mean"}, ["'loss_reduction'", "'sample'", "'token'"]),
 ]
 
@@ -143,7 +144,8 @@ PLANNER_CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("cluster_per_rank with K != world", lambda: _plan(group_features(), enabled(num_clusters=4,
                                                                                  allocation="cluster_per_rank")),
      r"num_clusters must equal the world size: K=4, W=2; set num_clusters 'auto' or allocation 'stratified'"),
-    ("budget that keeps nothing", lambda: _plan(group_features(), enabled(num_clusters=4, budget_mode="min", budget_ratio=0.05)),
+    ("budget that keeps nothing",
+     lambda: _plan(group_features(), enabled(num_clusters=4, budget_mode="min", budget_ratio=0.05)),
      r"= 0 samples per cluster.*raise budget_ratio or lower num_clusters"),
     ("labels below -1", lambda: _plan(None, enabled(selection="random"), labels=np.array([0, 1, -2] * 10)),
      r"labels must be >= 0 \(or -1 to leave a sample out\); found -2"),
@@ -301,7 +303,8 @@ def _hook_config(tmp_path: Path, **top: Any) -> dict:
 @pytest.mark.parametrize("data,message", [
     ([], r"training_data is empty \(0 samples\)"),
     (None, r"training_data is None"),
-    (iter(range(NUM_SAMPLES)), r"training_data must be a map-style dataset \(with len\(\) and \[i\]\); got range_iterator"),
+    (iter(range(NUM_SAMPLES)),
+     r"training_data must be a map-style dataset \(with len\(\) and \[i\]\); got range_iterator"),
 ], ids=["empty dataset", "no dataset", "iterable dataset"])
 def test_hook_refuses_missing_or_empty_training_data(tmp_path, data, message):
     with pytest.raises(ValueError, match=message):

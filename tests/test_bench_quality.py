@@ -95,7 +95,8 @@ def test_a_run_that_misses_the_gate_says_so_and_stops(tmp_path):
 
 
 def test_base_model_flag_reaches_the_job_spec(tmp_path):
-    """--base-model DIR is the checkpoint every arm loads; without it, stories260K, or the toy model with --synthetic."""
+    """--base-model DIR is the checkpoint every arm loads; without it, stories260K, or the toy model with
+    --synthetic."""
     from bench.real import STORIES260K_DIR
     from bench.toy.models import base_model_path
 
@@ -155,8 +156,9 @@ def test_real_data_arms_job_spec(tmp_path):
     arms = spec["arms"]
     assert [arm["name"] for arm in arms[:2]] == ["full_s0", "random_f0.3_s0"]  # the gate's arms first
     for method in ("full_cut", "random", "paper", "recommended", "oracle", "neardup"):
-        assert sorted((a["seed"], a["fraction"]) for a in arms if a["method"] == method and "steps" not in a["setting"]) \
-            == [(seed, fraction) for seed in range(4) for fraction in (0.3, 0.5)], method
+        taken = [a for a in arms if a["method"] == method and "steps" not in a["setting"]]
+        assert sorted((a["seed"], a["fraction"]) for a in taken) == [
+            (seed, fraction) for seed in range(4) for fraction in (0.3, 0.5)], method
     assert sorted(a["setting"] for a in arms if a.get("stretch")) == ["random_steps_f0.3"] * 4 + \
         ["recommended_steps_f0.3"] * 4
     analyses = spec["analyses"]
@@ -499,7 +501,8 @@ def test_real_goals_judge_worst_group_neardup_and_the_other_fraction_by_their_in
     assert met["recommended preset, 50% kept: macro answer loss below near-duplicate removal's (95% CI of the "
                "paired difference < 0)"]
     assert "recommended preset, 30% kept: macro answer loss no worse than random's beyond the noise" not in met
-    synthetic = evaluate_goals(summary, SimpleNamespace(instrument="synthetic", fractions=(0.3,), headline_fraction=0.3))
+    synthetic = evaluate_goals(summary, SimpleNamespace(instrument="synthetic", fractions=(0.3,),
+                                                        headline_fraction=0.3))
     assert not any("near-duplicate" in row["goal"] for row in synthetic)
 
 

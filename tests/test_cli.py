@@ -199,12 +199,14 @@ def test_train_runs_two_ranks_with_the_deepspeed_launcher(small_job: Path, tmp_p
     """A real ZeRO-3 run through `ds-cluster train`, and its --save-model folder holds the trained weights."""
     out, config = tmp_path / "run", REPO / "ds_configs" / "zero3.json"
     command = [sys.executable, "-m", "ds_cluster.cli", "train", "--deepspeed", str(config), "--nproc", "2", "--",
-               "--model", str(small_job / "model"), "--data", str(small_job / "train.jsonl"), "--analysis", str(small_job / "analysis"),
+               "--model", str(small_job / "model"), "--data", str(small_job / "train.jsonl"),
+               "--analysis", str(small_job / "analysis"),
                "--output-dir", str(out), "--max-length", "64", "--max-steps", "2", "--save-model", str(out / "model"),
                "--lr-schedule", "cosine"]
     result = check(subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300))
     # The printed command runs the packaged training script.
-    assert f"--module ds_cluster.train --deepspeed {config} --model {small_job / 'model'}" in result.stdout.splitlines()[0]
+    printed = result.stdout.splitlines()[0]
+    assert f"--module ds_cluster.train --deepspeed {config} --model {small_job / 'model'}" in printed
     summaries = [json.loads((out / f"summary_rank{rank}.json").read_text()) for rank in range(2)]
     assert [s["steps"] for s in summaries] == [2, 2]
     assert summaries[0]["parameter_digest"] == summaries[1]["parameter_digest"]

@@ -1,4 +1,5 @@
-"""The DeepSpeed hook end to end: real launchers (deepspeed, mpirun), 2 ranks on CPU, ZeRO 0-3, fp32/bf16, exact resume."""
+"""The DeepSpeed hook end to end: real launchers (deepspeed, mpirun), 2 ranks on CPU, ZeRO 0-3, fp32/bf16, exact
+resume, and the block disabled (plain DeepSpeed)."""
 from __future__ import annotations
 
 import json
@@ -136,7 +137,8 @@ def test_analysis_of_other_data_fails_on_every_rank(small_job, tmp_path):
     point_elsewhere(config)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(config))
-    args = [*TRAIN, "--deepspeed", str(path), "--model", str(small_job / "model"), "--data", str(small_job / "train.jsonl"),
+    args = [*TRAIN, "--deepspeed", str(path), "--model", str(small_job / "model"),
+            "--data", str(small_job / "train.jsonl"),
             "--output-dir", str(tmp_path / "out"), "--max-length", "64"]
     result = run_mpirun(args, timeout=240)
     output = result.stdout + result.stderr

@@ -175,7 +175,8 @@ def test_weighting_none_gives_unit_weights():
 
 def test_paper_weight_per_rank_is_k_n_r_over_n():
     features, _ = blobs([90, 50, 30])
-    cfg = ClusterSamplingConfig.from_dict({"enabled": True, "preset": "paper", "kmeans_n_init": 2, "capacity_factor": None})
+    cfg = ClusterSamplingConfig.from_dict({"enabled": True, "preset": "paper", "kmeans_n_init": 2,
+                                           "capacity_factor": None})
     plan = plan_of(features, cfg, world_size=3, micro_batch_size=2, gradient_accumulation_steps=2)
     schedule = plan.epoch_layout(0)
     for rank in range(3):

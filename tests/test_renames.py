@@ -89,7 +89,8 @@ def test_old_readings_of_the_block_give_the_stages_values():
     assert config.planned_ratio == stages.selection.planned_ratio == 0.5
     assert config.resolved_num_clusters(2) == 3 and kmeans_settings(config, 2) == stages.clustering.kmeans_arguments(2)
     points = np.random.default_rng(0).normal(size=(30, 4)).astype(np.float32)
-    assert np.array_equal(cluster_by_config(points, config, 1).labels, cluster_with(points, stages.clustering, 1).labels)
+    assert np.array_equal(cluster_by_config(points, config, 1).labels,
+                          cluster_with(points, stages.clustering, 1).labels)
 
 
 def test_old_names_of_the_learning_rate_schedule_the_figures_and_the_feature_engine():

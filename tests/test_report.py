@@ -48,7 +48,8 @@ def prompts_of(families: list[str]) -> list[str]:
 
 
 def make_plan(features: np.ndarray, paper: bool = False) -> Plan:
-    """3 clusters, proportional budget, stratified allocation; or the paper's K = world, min budget, one cluster a rank."""
+    """3 clusters, proportional budget, stratified allocation; or the paper's K = world, min budget, one cluster a
+    rank."""
     config = ClusterSamplingConfig(enabled=True, num_clusters=3, budget_mode="proportional", budget_ratio=0.5,
                                    kmeans_n_init=2)
     if paper:

@@ -313,7 +313,8 @@ def test_the_library_calls_none_of_its_own_deprecated_names():
             # Deprecated: it warns whenever it is called (a statement of its own body, not a branch's).
             if isinstance(node, ast.FunctionDef) and any(
                     isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)
-                    and any(isinstance(arg, ast.Name) and arg.id == "DeprecationWarning" for arg in statement.value.args)
+                    and any(isinstance(arg, ast.Name) and arg.id == "DeprecationWarning"
+                            for arg in statement.value.args)
                     for statement in node.body):
                 deprecated.add(node.name)
     assert {"schedule", "rank_schedule", "epoch_schedule", "schedule_coverage"} <= deprecated

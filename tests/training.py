@@ -91,8 +91,8 @@ GRADIENT_JOB_LABELS = np.repeat([0, 1, 2], [12, 8, 4])
 
 
 def gradient_job_block(root: Path, reduction: str) -> dict:
-    return {"enabled": True, "budget_mode": "min", "selection": "random", "allocation": "stratified", "weighting": "cluster",
-            "analysis_path": str(root / "analysis"), "seed": 3, "loss_reduction": reduction}
+    return {"enabled": True, "budget_mode": "min", "selection": "random", "allocation": "stratified",
+            "weighting": "cluster", "analysis_path": str(root / "analysis"), "seed": 3, "loss_reduction": reduction}
 
 
 def assert_step_is_the_reference_gradient(root: Path, reduction: str) -> None:

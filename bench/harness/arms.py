@@ -175,7 +175,8 @@ class Arm:
     def from_json(cls, data: Mapping[str, Any]) -> "Arm":
         return cls(name=data["name"], setting=data["setting"], method=data["method"], seed=data["seed"],
                    analysis=data["analysis"], fraction=data["fraction"],
-                   cluster_sampling=dict(data["cluster_sampling"]), epochs=data["epochs"], match=Match.from_json(data["match"]) if data.get("match") else None,
+                   cluster_sampling=dict(data["cluster_sampling"]), epochs=data["epochs"],
+                   match=Match.from_json(data["match"]) if data.get("match") else None,
                    cut=bool(data.get("cut")), stretch=bool(data.get("stretch")), baseline=data.get("baseline"),
                    steps=data.get("steps"))
 

@@ -24,7 +24,8 @@ SPLIT_SEED = 20261130
 # A family's answers are labels (greedy exact match is scored on it) when its CATEGORICAL_TOP_ANSWERS
 # most frequent distinct answers (whitespace stripped) cover at least CATEGORICAL_COVERAGE_MIN of its
 # records in the whole training file (before any slice). On the T0 slice: paraphrase 1.00, topic 1.00,
-# sentiment 0.92 are labels; closed-book QA 0.55, multiple choice 0.25, summaries 0.21 and generated sentences 0.13 are not.
+# sentiment 0.92 are labels; closed-book QA 0.55, multiple choice 0.25, summaries 0.21 and generated sentences 0.13
+# are not.
 CATEGORICAL_TOP_ANSWERS = 20
 CATEGORICAL_COVERAGE_MIN = 0.9
 

@@ -49,7 +49,9 @@ def format_stat(stat: Optional[Mapping[str, float]], digits: int = 3) -> str:
     """'mean ± ci' of a summary statistic, the mean alone with one seed, '—' where nothing was measured."""
     if stat is None or stat["mean"] != stat["mean"]:
         return "—"
-    return f"{stat['mean']:.{digits}f}" if stat["ci"] != stat["ci"] else f"{stat['mean']:.{digits}f} ± {stat['ci']:.{digits}f}"
+    if stat["ci"] != stat["ci"]:  # NaN: one seed, no interval
+        return f"{stat['mean']:.{digits}f}"
+    return f"{stat['mean']:.{digits}f} ± {stat['ci']:.{digits}f}"
 
 
 def paired_difference(per_seed: Mapping[int, dict], other: Mapping[int, dict], split: str) -> dict[str, dict]:
@@ -168,7 +170,8 @@ def partners(arms: Sequence[Arm]) -> dict[str, Partners]:
         found[setting] = Partners(
             random=arm.baseline or plain(Method.RANDOM, fraction, arm.stretch),
             neardup=plain(Method.NEARDUP, fraction) if arm.method in RECOMMENDED_METHODS and not arm.stretch else None,
-            full_cut=plain(Method.FULL_CUT, fraction) if arm.method not in FULL_DATA_METHODS and not arm.stretch else None,
+            full_cut=(plain(Method.FULL_CUT, fraction) if arm.method not in FULL_DATA_METHODS and not arm.stretch
+                      else None),
             recommended=plain(Method.RECOMMENDED, fraction) if arm.method == Method.ADAPTIVE else None)
     return found
 

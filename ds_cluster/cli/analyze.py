@@ -42,7 +42,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "prompt/completion; docs/data.md")
     parser.add_argument("--out", required=True, metavar="DIR", help="analysis directory to write (replaced atomically)")
     parser.add_argument("--kind", choices=FEATURE_KINDS.names, default=None,
-                        help="feature: " + "; ".join(f"'{kind.name}' = {kind.summary}" for kind in FEATURE_KINDS.values())
+                        help="feature: "
+                             + "; ".join(f"'{kind.name}' = {kind.summary}" for kind in FEATURE_KINDS.values())
                              + " (default: the config's feature_kind)")
     parser.add_argument("--dim", type=int, default=None,
                         help="dimension of a projected kind (lm_head; default: config feature_dim, else 1024)")

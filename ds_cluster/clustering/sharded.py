@@ -10,8 +10,8 @@ rank. Each rank holds some rows (with their global indices); what crosses ranks 
   the same greedy pass on every rank; the rare points whose candidates are all full get their
   distances to every centre from the rank that holds them.
 
-The collectives are passed in (`ds_cluster.collectives.Collectives`): the module itself is pure numpy, and `LOCAL` runs the
-same algorithm in one process, which is what two ranks must reproduce.
+The collectives are passed in (`ds_cluster.collectives.Collectives`): the module itself is pure numpy, and `LOCAL`
+runs the same algorithm in one process, which is what two ranks must reproduce.
 """
 from __future__ import annotations
 

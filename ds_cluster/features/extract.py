@@ -188,7 +188,8 @@ def _prepare_store(store: FeatureStore, manifest: StoreManifest, overwrite: bool
         return sorted(set(range(manifest.num_shards)) - set(store.finished_shards(manifest)))
 
     pending = ranks.run_agreed("opening the feature store", open_store) or []
-    ranks.check_agreement(pending, "feature-store shards left to compute (is the store on a filesystem every rank sees?)")
+    ranks.check_agreement(pending,
+                          "feature-store shards left to compute (is the store on a filesystem every rank sees?)")
     return pending
 
 

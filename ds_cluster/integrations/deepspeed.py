@@ -172,7 +172,8 @@ class EnginePatches:
 
     def __init__(self, engine: Any, loader: ClusterDataLoader, cluster_setup: ClusterSetup,
                  sum_over_ranks: Callable[[Any], Any]) -> None:
-        self.engine, self.loader, self.cluster_setup, self.sum_over_ranks = engine, loader, cluster_setup, sum_over_ranks
+        self.engine, self.loader, self.cluster_setup = engine, loader, cluster_setup
+        self.sum_over_ranks = sum_over_ranks
         self._originals: dict[str, Any] = {}
 
     def apply(self) -> None:

@@ -97,8 +97,8 @@ def train_loop(engine: Any, loader: Any, *, epochs: int, max_steps: int = 0,
                hooks: Optional[LoopHooks] = None) -> LoopResult:
     """Train `engine` on `loader` for `epochs` epochs (ds_cluster's loader counts its own, so a resumed run finishes
     the one it was in), or until `max_steps` optimizer steps (0: no cap), a hook says stop, or the loader's schedule
-    ends the run (the adaptive schedule's automatic budget). `loader`: what `deepspeed.initialize` returned, ds_cluster's
-    or DeepSpeed's own. Collective: every rank runs it."""
+    ends the run (the adaptive schedule's automatic budget). `loader`: what `deepspeed.initialize` returned,
+    ds_cluster's or DeepSpeed's own. Collective: every rank runs it."""
     hooks = hooks or LoopHooks()
     result = LoopResult()
     epochs_done = _Epochs(loader)

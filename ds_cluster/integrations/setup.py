@@ -225,7 +225,8 @@ class ClusterSetup:
         inputs = self.everyone.run_agreed("reading the analysis just computed", self.read_inputs,
                                           errors=(ValueError, FileNotFoundError))
         assert inputs is not None
-        in_job = InJobAnalysis(result.timings, wall=time.perf_counter() - started, cpu=time.process_time() - cpu_started)
+        in_job = InJobAnalysis(result.timings, wall=time.perf_counter() - started,
+                               cpu=time.process_time() - cpu_started)
         logger.info("ds_cluster: analysis computed in the training job in %.1f s (extraction %.1f s, clustering "
                     "%.1f s): %s", in_job.wall, in_job.timings.extract, in_job.timings.cluster,
                     self.config.analysis_path)

@@ -126,8 +126,9 @@ class AutoState:
 
 def auto_step(state: AutoState, tracked: np.ndarray, step: int, rule: ScheduleSettings) -> tuple[AutoState, list]:
     """The state after one window whose tracked losses (per cluster; NaN where a cluster had no figure) ended at
-    optimizer `step`, under the schedule's auto_* thresholds (`rule`), and each cluster's predicted gain (None where there is none). A cluster that has not improved
-    for `patience` windows in a row stops, for good; clusters without a figure, or stopped, keep their state."""
+    optimizer `step`, under the schedule's auto_* thresholds (`rule`), and each cluster's predicted gain (None where
+    there is none). A cluster that has not improved for `patience` windows in a row stops, for good; clusters without
+    a figure, or stopped, keep their state."""
     signal = AUTO_SIGNALS.get_rule(rule.signal)
     keep = max(rule.fit_windows, 2)
     best, stale, stopped = list(state.best), list(state.stale), list(state.stopped)
