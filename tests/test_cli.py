@@ -137,6 +137,7 @@ def test_report_reads_the_records_the_analysis_was_made_of_and_says_why_when_it_
     import shutil
 
     from ds_cluster import ClusterSamplingConfig, analyze
+    from ds_cluster.analysis.compute import AnalysisOptions
     from ds_cluster.data.dataset import load_instruction_dataset, source_fingerprint
     from ds_cluster.data.models import load_model_and_tokenizer
 
@@ -145,7 +146,7 @@ def test_report_reads_the_records_the_analysis_was_made_of_and_says_why_when_it_
     model, tokenizer = load_model_and_tokenizer(small_job / "model")
     config = ClusterSamplingConfig(enabled=True, num_clusters=4, kmeans_n_init=1, feature_kind="proxy")
     analyze(model, load_instruction_dataset(data, tokenizer, max_length=64), tmp_path / "analysis", config,
-            batch_size=64, show_progress=False)
+            AnalysisOptions(batch_size=64, show_progress=False))
     manifest = json.loads((tmp_path / "analysis" / "manifest.json").read_text())
     assert manifest["data_source"] == {"path": str(data), "fingerprint": source_fingerprint(data)}
 

@@ -116,6 +116,28 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
     return AnalysisResult(folder.path, summary, AnalysisTimings.from_json(summary["timings_s"]))
 
 
+def _summary(features: AnalysedFeatures, data: AnalysedData, labels: np.ndarray, clusters: ClusterResult,
+             num_clusters: int, world_size: int, timings: AnalysisTimings, zero_stage: Any) -> dict[str, Any]:
+    """summary.json of an analysis (its total time is added last)."""
+    num_samples = len(data.records)
+    summary: dict[str, Any] = {
+        "num_samples": num_samples, "num_empty": int(features.empty_mask.sum()), "kind": features.kind,
+        "dim": features.dim, "num_clusters": num_clusters,
+        "cluster_sizes": np.bincount(clusters.labels, minlength=num_clusters).tolist(),
+        "world_size": world_size, "zero_stage": zero_stage,
+        "computed_shards": features.shards[0], "reused_shards": features.shards[1],
+        "timings_s": {name: round(value, 3) for name, value in timings.to_json().items() if name != "total"},
+        "extract_samples_per_s": round(num_samples / max(timings.extract, 1e-9), 2),
+    }
+    # A category per sample (a task family, say) when the dataset carries them: for the purity in the summary.
+    categories = getattr(data.records, "categories", None)
+    if categories is not None and any(categories):
+        names, counts = category_counts(labels, categories, num_clusters)
+        summary.update(purity=purity(counts), cluster_categories=[
+            {name: int(count) for name, count in zip(names, row) if count} for row in counts])
+    return summary
+
+
 def _sharded_clusters(extraction: ExtractionResult, clustering: ClusteringSettings, collectives: Collectives
                       ) -> ClusterResult:
     """k-means over every rank's own rows together (collective); the result for the samples with response tokens."""
@@ -171,21 +193,8 @@ def write_analysis(folder: Union[AnalysisDir, str, os.PathLike], features: Analy
     num_samples = len(data.records)
     labels, distances = spread_to_all(clusters, np.flatnonzero(has_response), num_samples)
     timings = dataclasses.replace(timings, cluster=time.perf_counter() - clustering_started)
-    summary: dict[str, Any] = {
-        "num_samples": num_samples, "num_empty": int(features.empty_mask.sum()), "kind": features.kind,
-        "dim": features.dim, "num_clusters": num_clusters,
-        "cluster_sizes": np.bincount(clusters.labels, minlength=num_clusters).tolist(),
-        "world_size": world_size, "zero_stage": provenance.get("zero_stage"),
-        "computed_shards": features.shards[0], "reused_shards": features.shards[1],
-        "timings_s": {name: round(value, 3) for name, value in timings.to_json().items() if name != "total"},
-        "extract_samples_per_s": round(num_samples / max(timings.extract, 1e-9), 2),
-    }
-    # A category per sample (a task family, say) when the dataset carries them: for the purity in the summary.
-    categories = getattr(data.records, "categories", None)
-    if categories is not None and any(categories):
-        names, counts = category_counts(labels, categories, num_clusters)
-        summary.update(purity=purity(counts), cluster_categories=[
-            {name: int(count) for name, count in zip(names, row) if count} for row in counts])
+    summary = _summary(features, data, labels, clusters, num_clusters, world_size, timings,
+                       provenance.get("zero_stage"))
     manifest = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **provenance,

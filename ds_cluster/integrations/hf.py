@@ -47,7 +47,8 @@ from ds_cluster.integrations.setup import ClusterSetup, TrainerAdapter
 from ds_cluster.loader.figures import figure_logs
 from ds_cluster.loader.loss import LOSS_NORMALIZER, SAMPLE_LOSSES, probe_losses, weighted_causal_lm_loss
 from ds_cluster.planning.plan import Plan
-from ds_cluster.loader.sampler import SAMPLE_INDEX, SAMPLE_WEIGHT, ClusterDataLoader
+from ds_cluster.loader.items import SAMPLE_INDEX, SAMPLE_WEIGHT
+from ds_cluster.loader.sampler import ClusterDataLoader
 from ds_cluster.data.special_tokens import ensure_pad_token
 
 logger = logging.getLogger(__name__)

@@ -42,7 +42,8 @@ from ds_cluster.data.dataset import dataset_fingerprint
 from ds_cluster.features.source import feature_source
 from ds_cluster.loader.adaptive import AdaptiveSchedule
 from ds_cluster.analysis.folder import InJobAnalysis
-from ds_cluster.loader.sampler import ClusterDataLoader, batch_reader
+from ds_cluster.loader.items import batch_reader
+from ds_cluster.loader.sampler import ClusterDataLoader
 from ds_cluster.loader.schedule import Schedule, StaticSchedule
 from ds_cluster.planning.plan import Plan, build_plan
 

@@ -47,7 +47,7 @@ from ds_cluster import distributed
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.data.dataset import IGNORE_INDEX, TASK_GROUP_FIELDS, source_path, task_group
 from ds_cluster.integrations.hf import ClusterSamplingMixin, resolve_cluster_config
-from ds_cluster.loader.sampler import SAMPLE_WEIGHT
+from ds_cluster.loader.items import SAMPLE_WEIGHT
 
 logger = logging.getLogger(__name__)
 

@@ -368,7 +368,8 @@ def AdaptiveDataLoader(dataset: Any, plan: Plan, rank: int, settings: Any, *,  #
                        collectives: Collectives = LOCAL, collate_fn: Any = None,
                        probe_losses: Optional[Callable[[Any], torch.Tensor]] = None) -> Any:
     """0.5.0's adaptive loader: now `ClusterDataLoader` with an `AdaptiveSchedule` (docs/changes.md)."""
-    from ds_cluster.loader.sampler import ClusterDataLoader, batch_reader
+    from ds_cluster.loader.items import batch_reader
+    from ds_cluster.loader.sampler import ClusterDataLoader
 
     warnings.warn("AdaptiveDataLoader is ClusterDataLoader(dataset, plan, rank, schedule=AdaptiveSchedule(...)) "
                   "since 0.6.0", DeprecationWarning, stacklevel=2)
