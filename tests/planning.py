@@ -20,3 +20,11 @@ def plan_of(features: Optional[np.ndarray], config: Any, *, world_size: int, mic
     shape = BatchShape(world_size, micro_batch_size, gradient_accumulation_steps)  # checked first
     inputs = PlanInputs(features, labels, exclude, distances, centroids)
     return build_plan(cluster_samples(inputs, stages.clustering, world_size), stages, shape)
+
+
+def plan_of_inputs(inputs: PlanInputs, config: Any, *, world_size: int, micro_batch_size: int,
+                   gradient_accumulation_steps: int) -> Plan:
+    """The plan of an analysis's inputs (`AnalysisDir.load_inputs`), as the set-up builds it."""
+    stages = stages_of(config)
+    shape = BatchShape(world_size, micro_batch_size, gradient_accumulation_steps)
+    return build_plan(cluster_samples(inputs, stages.clustering, world_size), stages, shape)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ds_cluster import ClusterSamplingConfig, Plan
-from tests.planning import plan_of
+from tests.planning import plan_of_inputs
 from ds_cluster.analysis.folder import AnalysisDir
 from ds_cluster.data.models import load_model, with_lora
 from ds_cluster.planning.shares import window_draws
@@ -214,8 +214,8 @@ def expected_plan(config_path: Path, num_rows: int) -> Plan:
     config = ClusterSamplingConfig.from_ds_config(config_path)
     inputs = AnalysisDir(config.analysis_path).load_inputs(num_rows)
     ds_config = json.loads(config_path.read_text())
-    return plan_of(config=config, world_size=2, micro_batch_size=ds_config["train_micro_batch_size_per_gpu"],
-                      gradient_accumulation_steps=ds_config["gradient_accumulation_steps"], **inputs.plan_arguments())
+    return plan_of_inputs(inputs, config, world_size=2, micro_batch_size=ds_config["train_micro_batch_size_per_gpu"],
+                      gradient_accumulation_steps=ds_config["gradient_accumulation_steps"])
 
 
 def trainer_args(worker: str, small_job: Path, config: Path, out: Path, *extra: str) -> list[str]:

@@ -16,7 +16,7 @@ from tests.planning import plan_of
 from ds_cluster.planning.allocation import batch_quotas
 from ds_cluster.clustering.kmeans import cluster_features
 from ds_cluster.planning.budget import apportion, cluster_budgets
-from ds_cluster.planning.selection import select_in_clusters
+from ds_cluster.planning.selection import SelectionInputs, select_in_clusters
 from ds_cluster.planning.weights import sample_weights
 
 
@@ -103,11 +103,12 @@ def test_peripheral_core_and_norm_keep_what_their_names_say():
     distances = np.array([0.1, 0.9, 0.5, 0.7, 3.0, 1.0, 2.0])
     norms = np.array([5.0, 1.0, 2.0, 9.0, 0.5, 0.7, 0.6])
     kept = np.array([2, 1])
-    assert select_in_clusters(labels, kept, "peripheral", distances=distances).tolist() == [1, 3, 4]
-    assert select_in_clusters(labels, kept, "core", distances=distances).tolist() == [0, 2, 5]
-    assert select_in_clusters(labels, kept, "norm", norms=norms).tolist() == [0, 3, 5]
-    assert select_in_clusters(labels, np.array([3, 1]), "mix", distances=distances).tolist() == [0, 1, 3, 4]
-    random_pick = select_in_clusters(labels, kept, "random", seed=3)
+    assert select_in_clusters(labels, kept, "peripheral", SelectionInputs(distances=distances)).tolist() == [1, 3, 4]
+    assert select_in_clusters(labels, kept, "core", SelectionInputs(distances=distances)).tolist() == [0, 2, 5]
+    assert select_in_clusters(labels, kept, "norm", SelectionInputs(norms=norms)).tolist() == [0, 3, 5]
+    mixed = select_in_clusters(labels, np.array([3, 1]), "mix", SelectionInputs(distances=distances))
+    assert mixed.tolist() == [0, 1, 3, 4]
+    random_pick = select_in_clusters(labels, kept, "random", SelectionInputs(seed=3))
     assert len(random_pick) == 3 and (np.bincount(labels[random_pick]) == kept).all()
 
 
@@ -115,8 +116,9 @@ def test_spread_takes_every_quantile_of_the_distance():
     labels = np.zeros(10, dtype=np.int64)
     distances = np.arange(10, dtype=np.float64)[::-1]  # sample 9 is the most central, sample 0 the farthest
     # Ordered by distance: 9, 8, ..., 0; the middles of 5 slices of 2 are positions 1, 3, 5, 7, 9.
-    assert select_in_clusters(labels, np.array([5]), "spread", distances=distances).tolist() == [0, 2, 4, 6, 8]
-    assert select_in_clusters(labels, np.array([1]), "spread", distances=distances).tolist() == [4]
+    spread = select_in_clusters(labels, np.array([5]), "spread", SelectionInputs(distances=distances))
+    assert spread.tolist() == [0, 2, 4, 6, 8]
+    assert select_in_clusters(labels, np.array([1]), "spread", SelectionInputs(distances=distances)).tolist() == [4]
 
 
 def test_kcenter_covers_the_cluster_greedily_from_its_centre():
@@ -125,10 +127,10 @@ def test_kcenter_covers_the_cluster_greedily_from_its_centre():
     points = np.array([[0.0], [10.0], [-6.0], [5.0], [1.0]], dtype=np.float32)
     labels = np.zeros(5, dtype=np.int64)
     distances = np.abs(points[:, 0]).astype(np.float64)
-    chosen = select_in_clusters(labels, np.array([3]), "kcenter", distances=distances, features=points)
+    chosen = select_in_clusters(labels, np.array([3]), "kcenter", SelectionInputs(distances=distances, features=points))
     assert chosen.tolist() == [0, 1, 2]
     with pytest.raises(ValueError, match="'kcenter' needs the features"):
-        select_in_clusters(labels, np.array([3]), "kcenter", distances=distances)
+        select_in_clusters(labels, np.array([3]), "kcenter", SelectionInputs(distances=distances))
 
 
 def test_peripheral_plan_keeps_farthest_from_centroid():

@@ -147,8 +147,7 @@ def _sharded_clusters(extraction: ExtractionResult, clustering: ClusteringSettin
     assert extraction.rows is not None
     own_with_response = has_response[extraction.rows]
     result = cluster_sharded(extraction.rows[own_with_response], extraction.features[own_with_response],
-                             num_samples=int(extraction.empty_mask.size), collectives=collectives,
-                             **clustering.kmeans_arguments(collectives.world_size))
+                             int(extraction.empty_mask.size), clustering, collectives)
     # all_rows are exactly the samples with response tokens, ascending: the order rank 0 writes them in.
     return ClusterResult(result.all_labels, result.centroids, result.all_distances)
 

@@ -124,7 +124,7 @@ def categories_of(records: Optional[list[dict]]) -> Optional[list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     from ds_cluster.data.dataset import prompt_text
-    from ds_cluster.report.page import write_report
+    from ds_cluster.report.page import ReportInputs, write_report
 
     analysis = Path(args.analysis)
     try:
@@ -134,12 +134,12 @@ def run(args: argparse.Namespace) -> int:
         schedule_lines = read_schedule_log(analysis, args.schedule_log)
     except (ValueError, FileNotFoundError) as err:
         return input_error("report", err)
-    index = write_report(args.out, plan, features=inputs.features, categories=categories_of(records),
-                         prompts=prompts, include_text=not args.no_text, schedule_lines=schedule_lines,
-                         records_note=None if records is not None else records_from,
-                         title=f"ds_cluster report: {analysis}",
-                         sources={"analysis": str(analysis), "DeepSpeed config": str(args.deepspeed),
-                                  "records": records_from if records is not None else "none"},
-                         max_projection_points=args.max_points)
+    index = write_report(args.out, plan, ReportInputs(
+        features=inputs.features, categories=categories_of(records), prompts=prompts, include_text=not args.no_text,
+        schedule_lines=schedule_lines, records_note=None if records is not None else records_from,
+        title=f"ds_cluster report: {analysis}",
+        sources={"analysis": str(analysis), "DeepSpeed config": str(args.deepspeed),
+                 "records": records_from if records is not None else "none"},
+        max_projection_points=args.max_points))
     sys.stdout.write(f"report: {index}\n")
     return 0

@@ -23,7 +23,7 @@ from ds_cluster.clustering.samples import Clusters, PlanInputs, cluster_samples
 from ds_cluster.fileio import replace_dir, staging_dir, write_json_atomic, write_npy_atomic
 from ds_cluster.planning.allocation import ALLOCATIONS, Allocation, cluster_members, epoch_layout
 from ds_cluster.planning.budget import BUDGETS, cluster_budgets, cluster_spreads
-from ds_cluster.planning.selection import SELECTIONS, UNIFORM, select_in_clusters
+from ds_cluster.planning.selection import SELECTIONS, UNIFORM, SelectionInputs, select_in_clusters
 from ds_cluster.planning.weights import sample_weights
 from ds_cluster.settings import StageSettings, stages_of
 
@@ -277,10 +277,10 @@ def build_plan(clusters: Any, settings: Any, shape: Optional[BatchShape] = None,
         assert points is not None
         norms = np.full(num_samples, np.nan)
         norms[clusters.rows] = _row_norms(clusters.taking_part(points))
-    selected = select_in_clusters(clusters.labels, kept_sizes, selection,
-                                  distances=clusters.distances if has_geometry else None, norms=norms,
-                                  features=points if selection.reads_rows else None,
-                                  seed=chosen.seed, dedup_similarity=chosen.dedup_similarity)
+    selected = select_in_clusters(clusters.labels, kept_sizes, selection, SelectionInputs(
+        distances=clusters.distances if has_geometry else None, norms=norms,
+        features=points if selection.reads_rows else None, seed=chosen.seed,
+        dedup_similarity=chosen.dedup_similarity))
     weights = sample_weights(clusters.labels, selected, cluster_sizes, kept_sizes, chosen.weighting,
                              temperature=chosen.weight_temperature)
 

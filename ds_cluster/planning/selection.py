@@ -180,30 +180,22 @@ SELECTIONS: Registry[SelectionRule] = Registry(
 UNIFORM: SelectionRule = SELECTIONS["random"]
 
 
-def select_in_clusters(
-    labels: np.ndarray,
-    kept_sizes: np.ndarray,
-    rule: Union[str, SelectionRule],
-    *,
-    distances: Optional[np.ndarray] = None,
-    norms: Optional[np.ndarray] = None,
-    features: Optional[np.ndarray] = None,
-    seed: int = 0,
-    dedup_similarity: float = 0.95,
-) -> np.ndarray:
-    """Sorted int64 indices: in each cluster c, kept_sizes[c] samples chosen by the rule (see the module docstring).
+def select_in_clusters(labels: np.ndarray, kept_sizes: np.ndarray, rule: Union[str, SelectionRule],
+                       inputs: Optional[SelectionInputs] = None) -> np.ndarray:
+    """Sorted int64 indices: in each cluster c, kept_sizes[c] samples chosen by the rule (see the module docstring),
+    from what it reads (`inputs`: distances, norms, feature rows, the seed).
 
     Samples with a negative label (excluded) are never chosen.
     """
+    inputs = inputs or SelectionInputs()
     labels = np.asarray(labels, dtype=np.int64)
     kept_sizes = np.asarray(kept_sizes, dtype=np.int64)
-    rng = np.random.default_rng([seed, 0x5E1EC7])
+    rng = np.random.default_rng([inputs.seed, 0x5E1EC7])
     taking_part = labels >= 0
     everyone = bool(taking_part.all())
     counts = np.bincount(labels if everyone else labels[taking_part], minlength=kept_sizes.size)
     if np.array_equal(counts, kept_sizes):  # everything is kept: nothing to choose
         return np.arange(labels.size, dtype=np.int64) if everyone else np.flatnonzero(taking_part)
-    inputs = SelectionInputs(distances, norms, features, seed, dedup_similarity)
     chosen_rule = SELECTIONS.get_rule(rule)
     chosen_rule.check_inputs(inputs)
     too_many = np.flatnonzero(kept_sizes > counts[:kept_sizes.size])

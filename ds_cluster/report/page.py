@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass
 import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -171,31 +172,36 @@ def _schedule_row(plan: Plan, lines: Sequence[dict], cluster: int) -> tuple:
             "" if last["train_loss"][cluster] is None else f"{last['train_loss'][cluster]:.4f}")
 
 
-def write_report(
-    out_dir: Union[str, Path],
-    plan: Plan,
-    *,
-    features: Optional[np.ndarray] = None,
-    categories: Optional[Sequence[str]] = None,
-    prompts: Optional[Sequence[str]] = None,
-    include_text: bool = True,
-    schedule_lines: Optional[Sequence[dict]] = None,
-    title: str = "ds_cluster plan report",
-    sources: Optional[dict[str, str]] = None,
-    max_projection_points: int = 4000,
-    records_note: Optional[str] = None,
-) -> Path:
-    """Write `out_dir/index.html` and its PNG plots for a plan; returns the HTML's path.
+@dataclass(frozen=True)
+class ReportInputs:
+    """What a report shows beside the plan, each optional.
 
-    features: the analysis's (N, d) features, for the 2-D projection (skipped when None);
-    categories: a category per sample (N; a task family, say), for the cluster-versus-category table
-    (skipped when None); prompts: the prompt text of every sample (N), for what each cluster holds (its
-    distinguishing words and the prompts nearest its centre); include_text=False leaves every record's text out
-    of the page (for data that must not be copied into a report); schedule_lines: an adaptive run's schedule
-    log (one dict per window), for its shares and per-cluster loss over the steps; sources: name -> value lines
-    shown at the top (config, analysis...); records_note: why there are no records (prompts, categories), shown
-    where they would be.
+    features: the analysis's (N, d) features, for the 2-D projection; categories: a category per sample (N; a
+    task family, say), for the cluster-versus-category table; prompts: the prompt text of every sample (N), for
+    what each cluster holds (its distinguishing words and the prompts nearest its centre); include_text=False
+    leaves every record's text out of the page (for data that must not be copied into a report); schedule_lines:
+    an adaptive run's schedule log (one dict per window), for its shares and per-cluster loss over the steps;
+    sources: name -> value lines shown at the top (config, analysis...); records_note: why there are no records
+    (prompts, categories), shown where they would be.
     """
+
+    features: Optional[np.ndarray] = None
+    categories: Optional[Sequence[str]] = None
+    prompts: Optional[Sequence[str]] = None
+    include_text: bool = True
+    schedule_lines: Optional[Sequence[dict]] = None
+    title: str = "ds_cluster plan report"
+    sources: Optional[dict[str, str]] = None
+    max_projection_points: int = 4000
+    records_note: Optional[str] = None
+
+
+def write_report(out_dir: Union[str, Path], plan: Plan, inputs: Optional[ReportInputs] = None) -> Path:
+    """Write `out_dir/index.html` and its PNG plots for a plan and what else it is given; returns the HTML's path."""
+    shown = inputs or ReportInputs()
+    features, categories, prompts = shown.features, shown.categories, shown.prompts
+    include_text, schedule_lines, title = shown.include_text, shown.schedule_lines, shown.title
+    sources, max_projection_points, records_note = shown.sources, shown.max_projection_points, shown.records_note
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     parts = [f"<h1>{html.escape(title)}</h1>"]
