@@ -236,3 +236,71 @@ def test_the_docs_list_the_rules_each_registry_holds():
     allowed = _allowed_column()
     for key, registry in RULE_REGISTRIES.items():
         assert [name.strip() for name in allowed[key].split(",")] == list(registry.names), key
+
+
+# ------------------------------------------------------------------------------------------ one home per figure
+# Every benchmark figure lives in docs/results.md; the other pages link to its sections (issue 55). Not held to
+# it: docs/changes.md (history: what each version measured then) and the README, whose table is checked against
+# its results files above and against docs/results.md below.
+INTERVAL = re.compile(r"[+-]?\d+\.\d+ ± \d+\.\d+")
+FIGURES_HOME = REPO / "docs" / "results.md"
+NOT_HOMES = [path for path in DOCS if path.parent.name == "docs" and path.name not in ("results.md", "changes.md")]
+NOT_HOMES.append(REPO / "bench" / "README.md")
+
+
+@pytest.mark.parametrize("page", NOT_HOMES, ids=lambda path: str(path.relative_to(REPO)))
+def test_only_docs_results_holds_interval_figures(page: Path):
+    copied = [(number, line.strip()) for number, line in enumerate(page.read_text().splitlines(), 1)
+              if INTERVAL.search(line)]
+    assert not copied, (f"{page.relative_to(REPO)}:{copied[0][0]} copies a benchmark figure "
+                        f"({INTERVAL.search(copied[0][1]).group()}): link to its section of docs/results.md instead")
+
+
+def _written_in(figure: str, text: str) -> bool:
+    """Whether `figure` ("0.019 ± 0.109", "-0.026 ± 0.023") is in `text` with the same sign; docs/results.md
+    writes positive differences with a "+"."""
+    unsigned = figure.lstrip("+")
+    sign = "" if unsigned.startswith("-") else r"\+?"
+    return re.search(r"(?<![\d.+-])" + sign + re.escape(unsigned) + r"(?!\d)", text) is not None
+
+
+def test_the_readmes_figures_have_their_home_in_docs_results():
+    home = FIGURES_HOME.read_text()
+    figures = INTERVAL.findall((REPO / "README.md").read_text())
+    assert figures, "the README's table lost its figures: this test would check nothing"
+    missing = [figure for figure in figures if not _written_in(figure, home)]
+    assert not missing, f"the README's {missing} are not in docs/results.md, the figures' one home"
+
+
+def _slugs(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to hyphens, a repeat
+    numbered -1, -2, ...; lines in fenced code are not headings."""
+    slugs, seen, fenced = set(), {}, False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or not re.match(r"#{1,6} ", line):
+            continue
+        slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        slugs.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return slugs
+
+
+def _section_links() -> list[tuple[str, str, str]]:
+    links = []
+    for page in DOCS + [REPO / "bench" / "README.md"]:
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md)?#([\w-]+)\)", page.read_text()):
+            links.append((str(page.relative_to(REPO)), target or page.name, anchor))
+    return links
+
+
+def test_the_pages_link_to_docs_results_sections():
+    assert sum(target.endswith("results.md") for _, target, _ in _section_links()) >= 10
+
+
+@pytest.mark.parametrize("page,target,anchor", _section_links(), ids=lambda value: str(value)[:50])
+def test_every_link_to_a_section_finds_its_heading(page: str, target: str, anchor: str):
+    linked = ((REPO / page).parent / target).resolve()
+    assert linked.exists(), f"{page} links to {target}, which does not exist"
+    assert anchor in _slugs(linked), f"{page} links to {target}#{anchor}, a heading {target} does not have"
