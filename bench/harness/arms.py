@@ -126,6 +126,7 @@ class Arm:
     changes: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
     candidate: Optional[str] = field(default=None, compare=False)  # the declared candidate it runs (--choose*)
     source: str = field(default="own", compare=False)  # its features: "own", "small", "smollm2" or "lora"
+    target: Optional[str] = None  # the targeted instrument: the target it selects for (None: a shared baseline)
 
     @property
     def is_partner(self) -> bool:
@@ -169,6 +170,8 @@ class Arm:
         if self.steps is not None:
             out["steps"] = self.steps
         out["epochs"] = self.epochs
+        if self.target is not None:
+            out["target"] = self.target
         return out
 
     @classmethod
@@ -178,7 +181,7 @@ class Arm:
                    cluster_sampling=dict(data["cluster_sampling"]), epochs=data["epochs"],
                    match=Match.from_json(data["match"]) if data.get("match") else None,
                    cut=bool(data.get("cut")), stretch=bool(data.get("stretch")), baseline=data.get("baseline"),
-                   steps=data.get("steps"))
+                   steps=data.get("steps"), target=data.get("target"))
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,8 @@ class Analysis:
     keep_features: bool = False  # clustering: a selection that reads features uses it
     near_duplicates: Optional[str] = None  # near-duplicate subset: the groups' folder
     seed: Optional[int] = None  # near-duplicate subset: the seed of its pick
+    target: Optional[str] = None  # clustering: a target file whose examples' features the analysis holds too
+    leave_out: Optional[tuple] = None  # clustering: task groups out of the pool (a transfer target's)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path}
@@ -205,11 +210,13 @@ class Analysis:
                 out[key] = dict(self.cluster_sampling) if key == "cluster_sampling" else getattr(self, key)
         if self.keep_features:
             out["keep_features"] = True
-        for key in ("near_duplicates", "seed"):
+        for key in ("near_duplicates", "seed", "target"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.leave_out:
+            out["leave_out"] = list(self.leave_out)
         return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Analysis":
-        return cls(**{key: data[key] for key in data})
+        return cls(**{key: (tuple(data[key]) if key == "leave_out" else data[key]) for key in data})

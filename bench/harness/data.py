@@ -135,8 +135,12 @@ def prepare_data(settings: Settings) -> PreparedData:
 
     train_all = read_jsonl(data_file(settings.data, "train"))
     heldout = read_jsonl(data_file(settings.data, "heldout"))
+    # A mixture may name its task groups `category` (ds_cluster.data.dataset.task_group): the harness reads `family`.
+    for record in train_all + heldout:
+        if "family" not in record and "category" in record:
+            record["family"] = record["category"]
     if not all("family" in r for r in train_all + heldout):
-        raise ValueError(f"{settings.data}: every record needs a 'family' field")
+        raise ValueError(f"{settings.data}: every record needs a task group ('family' or 'category')")
     # Whether a family's answers are labels is a property of the family: judged on the whole train file, since
     # in a small slice every answer of a free-text family (a few underlying examples) is among the most frequent.
     exact_match = categorical_families(train_all)
@@ -146,7 +150,7 @@ def prepare_data(settings: Settings) -> PreparedData:
         raise SystemExit(f"prompt: 'alpaca' or 'chat', got {settings.prompt!r}")
     if settings.prompt == "chat":
         train_all, heldout = [to_chat_record(r) for r in train_all], [to_chat_record(r) for r in heldout]
-    train, validation = carve_validation(train_all)
+    train, validation = carve_validation(train_all, settings.validation_fraction or VALIDATION_FRACTION)
     if settings.heldout_per_family is not None:
         taken: dict[str, int] = {}
         heldout = [r for r in heldout if taken.setdefault(r["family"], 0) < settings.heldout_per_family

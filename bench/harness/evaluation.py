@@ -65,6 +65,11 @@ def _evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict], spec:
                                               [(r["family"], str(r["output"]).strip()) for r in scored], answers))
     families = [family for part in gathered for family in part[0]]
     result: dict[str, Any] = {"loss": mean_by_group([loss for part in gathered for loss in part[1]], families)}
+    if getattr(spec, "per_record", False):  # every record's answer loss, in the split's order
+        per_record = [0.0] * len(records)
+        for rank_of, part in enumerate(gathered):
+            per_record[rank_of::world] = part[1]
+        result["record_loss"] = per_record
     if wanted:
         references = [reference for part in gathered for reference in part[2]]
         correct = [float(answer.strip() == text) for (_, text), answer

@@ -119,6 +119,9 @@ class Settings:
     # Feature extractions shared by the runs on one mixture (features_folder); None: each work folder its own.
     features_cache: Optional[Path] = field(default_factory=lambda: default_cache_root() / "bench_features")
     skipped: tuple[str, ...] = ()  # arms left out, with the reason (the report repeats it)
+    # The targeted instrument (`--target`, bench/harness/targeted.py): its declared design, None otherwise.
+    targeted: Optional[Any] = None
+    validation_fraction: Optional[float] = None  # of every family (None: data.VALIDATION_FRACTION)
     job_timeout_s: float = 4 * 3600
     command: str = "python bench/quality.py"
 

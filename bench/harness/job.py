@@ -294,6 +294,8 @@ def run_arm(arm: Arm, spec: JobSpec, train: InstructionDataset, tokenizer: Any,
         "load_average": {"before": load_before, "after": os.getloadavg()},
         **evaluation,
     }
+    if spec.per_record and planned is not None:  # the targeted instrument reads what each arm trained on
+        result["selected"] = planned.plan.selected.tolist()
     del engine, loader, planned, training
     gc.collect()
     return result
@@ -369,6 +371,8 @@ def main(process_started: float) -> int:
     random.seed(0)
     model, tokenizer = load_model_and_tokenizer(spec.base_model, rank=rank)
     train = InstructionDataset(read_jsonl(spec.path("train")), tokenizer, max_length=spec.max_length, rank=rank)
+    if spec.per_record and rank == 0:  # each record's tokens, for the selections' lengths
+        np.save(Path(spec.path("train")).parent / "train_tokens.npy", train.attention_mask.sum(dim=1).numpy())
     # Choosing (bench/quality.py --choose) never evaluates held-out.
     splits = {name: read_jsonl(spec.path(name)) for name in spec.evaluate_splits}
     startup = summed({"wall": time.time() - spec.launched_at, "cpu": time.process_time()})

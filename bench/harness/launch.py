@@ -33,8 +33,11 @@ def ds_config(settings: Settings) -> dict[str, Any]:
 
 def write_spec(settings: Settings, data: PreparedData, arms: Sequence[Arm], analyses: Mapping[str, Analysis]) -> Path:
     """WORK/spec.json, what the job reads; the gate is checked once its two arms (full data, random 30% of the first
-    seed) have finished."""
-    gate = GateSpec.of(settings.instrument, arms, data.small_families, settings.seeds[0])
+    seed) have finished. The targeted instrument has no gate to stop at (its report reads the oracle's lead over
+    random per target: where there is none, no selector can show one) and keeps every record's loss."""
+    targeted = settings.targeted is not None
+    gate = (GateSpec("targeted", arms[0].name, arms[1].name, []) if targeted
+            else GateSpec.of(settings.instrument, arms, data.small_families, settings.seeds[0]))
     spec = JobSpec(
         instrument=settings.instrument, work_dir=str(settings.work_dir),
         base_model=str(default_base_model(settings)), paths={name: str(path) for name, path in data.paths.items()},
@@ -46,7 +49,7 @@ def write_spec(settings: Settings, data: PreparedData, arms: Sequence[Arm], anal
         evaluate_splits=["validation"] if settings.candidates or settings.validation_only
         else ["validation", "heldout"],
         analyses=dict(analyses), arms=list(arms), launched_at=time.time(), skipped=list(settings.skipped),
-        gate=gate, gate_after=gate.after(arms))
+        gate=gate, gate_after="" if targeted else gate.after(arms), per_record=targeted)
     return spec.write(settings.work_dir / "spec.json")
 
 

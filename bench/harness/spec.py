@@ -71,6 +71,7 @@ class JobSpec:
     skipped: list
     gate: GateSpec
     gate_after: str
+    per_record: bool = False  # the targeted instrument: every record's answer loss in each arm's result
     extra: Mapping[str, Any] = field(default_factory=dict)  # keys of a spec written by a later harness
 
     @property
@@ -101,6 +102,8 @@ class JobSpec:
                    gate={"kind": self.gate.kind, "full": self.gate.full, "random": self.gate.random,
                          "small_families": self.gate.small_families},
                    gate_after=self.gate_after, **self.extra)
+        if self.per_record:
+            out["per_record"] = True
         return out
 
     @classmethod
@@ -108,7 +111,7 @@ class JobSpec:
         known = {"instrument", "work_dir", "base_model", "train", "validation", "heldout", "num_train",
                  "exact_match_families", "ds_config", "learning_rate", "warmup_fraction", "max_length", "precision",
                  "copy_probe_records", "copy_probe_seed", "peft", "lora_rank", "evaluate_splits", "analyses", "arms",
-                 "launched_at", "skipped", "gate", "gate_after"}
+                 "launched_at", "skipped", "gate", "gate_after", "per_record"}
         gate = data["gate"]
         return cls(instrument=data["instrument"], work_dir=data["work_dir"], base_model=data["base_model"],
                    paths={split: data[split] for split in ("train", "validation", "heldout") if split in data},
@@ -123,7 +126,8 @@ class JobSpec:
                    skipped=list(data.get("skipped") or []),
                    gate=GateSpec(gate.get("kind", "synthetic"), gate["full"], gate["random"],
                                  list(gate.get("small_families") or [])),
-                   gate_after=data["gate_after"], extra={k: v for k, v in data.items() if k not in known})
+                   gate_after=data["gate_after"], per_record=bool(data.get("per_record")),
+                   extra={k: v for k, v in data.items() if k not in known})
 
     @classmethod
     def read(cls, path: Path) -> "JobSpec":
