@@ -37,6 +37,7 @@ from bench.harness.gate import calibration_gate
 from bench.harness.lora import ensure_feature_adapters
 from bench.harness.report import gate_text
 from bench.harness.spec import JobSpec
+from bench.harness.targets import TARGET_FIELD
 from ds_cluster import distributed
 from ds_cluster.loader.sampler import cluster_loader
 from ds_cluster.data.dataset import InstructionDataset, read_jsonl, trim_padding_collate
@@ -75,6 +76,58 @@ def ensure_features(analysis: Analysis, spec: JobSpec, train: InstructionDataset
     return json.loads(record.read_text())
 
 
+def _target_folder(features: Analysis, target_path: str) -> Path:
+    return Path(features.path) / "targets" / Path(target_path).stem
+
+
+def ensure_target_features(name: str, spec: JobSpec, train: InstructionDataset, cost: dict[str, Any]
+                           ) -> dict[str, Any]:
+    """The features of every target file that an analysis of feature analysis `name` reads, in one session of its
+    feature engine (collective); each is written beside the pool's features (targets/NAME/), and its cost is added to
+    what every arm reading it is charged."""
+    from ds_cluster.analysis.target import extract_target
+    from ds_cluster.config import ClusterSamplingConfig
+    from ds_cluster.data.target import read_target
+    from ds_cluster.features.source import feature_source
+
+    features = spec.analyses[name]
+    wanted = sorted({a.target for a in spec.analyses.values() if a.features == name and a.target})
+    missing = [path for path in wanted if not exists_on_rank0(_target_folder(features, path) / "target.json")]
+    if missing:
+        block = {**(features.cluster_sampling or {}), "num_clusters": 1, "enabled": True}
+        if features.source not in ("own", "lora"):
+            block.update(feature_model=features.model, feature_max_length=features.feature_max_length)
+        stages = ClusterSamplingConfig.from_dict(block).stages()
+        with feature_source(stages.features, train, ds_config=spec.ds_config, model=features.model) as source:
+            for path in missing:
+                clock = Clock()
+                examples = read_target(path, train.tokenizer, spec.max_length, group_field=TARGET_FIELD)
+                target = extract_target(source.engine, examples.encoded_with(source.encode), stages.features,
+                                        distributed.collectives())
+                spent = summed(clock.read())
+                if distributed.get_rank() == 0:
+                    folder = _target_folder(features, path)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    np.save(folder / "features.npy", target.features)
+                    write_json_atomic(folder / "cost.json", spent)
+                    write_json_atomic(folder / "target.json", target.to_json())
+                barrier()
+    extra = [json.loads((_target_folder(features, path) / "cost.json").read_text()) for path in wanted]
+    return {**cost, "target_wall": sum(e["wall"] for e in extra) / max(len(extra), 1),
+            "target_cpu": sum(e["cpu"] for e in extra) / max(len(extra), 1)}
+
+
+def _load_target(features: Mapping[str, Any], target_path: str) -> Any:
+    """A target file's features as extract_target gave them (written by ensure_target_features)."""
+    from ds_cluster.analysis.folder import AnalysedTarget
+
+    folder = Path(features["path"]) / "targets" / Path(target_path).stem
+    document = json.loads((folder / "target.json").read_text())
+    return AnalysedTarget(features=np.load(folder / "features.npy"), groups=np.asarray(document["groups"]),
+                          group_names=tuple(document["group_names"]), fingerprint=document["fingerprint"],
+                          source=document.get("source"), prompts=tuple(document.get("prompts") or ()))
+
+
 def ensure_clustering(analysis: Analysis, features: Mapping[str, Any], train: InstructionDataset) -> dict[str, Any]:
     """k-means of a feature analysis with this analysis's settings and seed, on rank 0; its cost is the
     extraction's plus its own (collective). `features`: the feature analysis's entry and cost."""
@@ -91,26 +144,34 @@ def ensure_clustering(analysis: Analysis, features: Mapping[str, Any], train: In
 
 
 def _cluster(analysis: Analysis, features: Mapping[str, Any], train: InstructionDataset, record: Path) -> None:
-    """Rank 0's k-means of `features` into the analysis folder (the library's writer), and its cost record."""
+    """Rank 0's k-means of `features` into the analysis folder (the library's writer), and its cost record; a
+    targeted analysis holds its target examples' features too, and leaves its `leave_out` groups out of the pool."""
     from ds_cluster.analysis.compute import AnalysedData, AnalysedFeatures, write_analysis
     from ds_cluster.config import ClusterSamplingConfig
+    from ds_cluster.data.dataset import task_group
 
     clock = Clock()
     stages = ClusterSamplingConfig.from_dict({**(analysis.cluster_sampling or {}), "enabled": True}).stages()
     source = Path(features["path"])
     summary = json.loads((source / "summary.json").read_text())
     points = np.load(source / "features.npy")
+    empty = np.load(source / "empty_mask.npy")
+    if analysis.leave_out:  # a transfer target's groups: out of k-means and the plan, as samples without features
+        empty = empty | np.array([task_group(record) in analysis.leave_out for record in train.records])
     keep = analysis.keep_features or SELECTIONS[stages.selection.selection].reads_features
-    write_analysis(analysis.path, AnalysedFeatures(points, np.load(source / "empty_mask.npy"), summary["kind"],
-                                                   summary["dim"], keep_features=keep),
-                   stages, AnalysedData(train), distributed.get_world_size(),
+    target = _load_target(features, analysis.target) if analysis.target else None
+    write_analysis(analysis.path, AnalysedFeatures(points, empty, summary["kind"], summary["dim"], keep_features=keep),
+                   stages, AnalysedData(train), distributed.get_world_size(), target=target,
                    provenance={"features": str(source), "feature_model": features.get("model"),
                                "feature_source": features["source"]})
     own = clock.read()
+    target_cost = {"wall": features.get("target_wall", 0.0), "cpu": features.get("target_cpu", 0.0)}
     write_json_atomic(record, {
-        "wall": features["wall"] + own["wall"], "cpu": features["cpu"] + own["cpu"],
+        "wall": features["wall"] + own["wall"] + target_cost["wall"],
+        "cpu": features["cpu"] + own["cpu"] + target_cost["cpu"],
         "extract_wall": features["extract_wall"], "extract_cpu": features["cpu"],
-        "cluster_wall": own["wall"], "cluster_cpu": own["cpu"], "source": features["source"]})
+        "cluster_wall": own["wall"], "cluster_cpu": own["cpu"], "target_wall": target_cost["wall"],
+        "target_cpu": target_cost["cpu"], "source": features["source"]})
 
 
 def materialize_near_duplicates(analysis: Analysis, kept: int, num_samples: int) -> None:
@@ -147,6 +208,8 @@ def ensure_analyses(arm: Arm, spec: JobSpec, train: InstructionDataset) -> None:
         if analysis.features:
             features = spec.analyses[analysis.features]
             cost = ensure_features(features, spec, train)
+            if analysis.target:  # the targeted instrument: the target examples' features, with the same engine
+                cost = ensure_target_features(analysis.features, spec, train, cost)
             ensure_clustering(analysis, {**features.to_json(), **cost}, train)
 
 

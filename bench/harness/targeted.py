@@ -58,6 +58,18 @@ def budget_and_steps(settings: Settings, num_pool: int) -> tuple[int, int]:
     return budget, max(1, math.ceil(targeted.epochs * budget / global_batch))
 
 
+def fitting(records: list[dict], settings: Settings) -> list[dict]:
+    """The records whole within the trained model's max length (a target example may not be cut short): the ones a
+    draw may take."""
+    from bench.harness.instrument import default_base_model
+    from ds_cluster.data.dataset import InstructionDataset
+    from ds_cluster.data.models import load_tokenizer
+
+    tokenizer = load_tokenizer(default_base_model(settings))
+    lengths = InstructionDataset(records, tokenizer, max_length=4 * settings.max_length).attention_mask.sum(dim=1)
+    return [record for record, length in zip(records, lengths.tolist()) if length <= settings.max_length]
+
+
 def chosen_targets(settings: Settings, data: PreparedData) -> list[Target]:
     targeted = settings.targeted
     assert targeted is not None
@@ -71,7 +83,7 @@ class TargetedBuilder(ArmBuilder):
     def __init__(self, settings: Settings, data: PreparedData) -> None:
         super().__init__(settings, data)
         self.pool = read_jsonl(data.paths["train"])
-        self.validation = read_jsonl(data.paths["validation"])
+        self.validation = fitting(read_jsonl(data.paths["validation"]), settings)
         self.heldout = read_jsonl(data.paths["heldout"])
         self.budget, self.steps = budget_and_steps(settings, len(self.pool))
         self.draws: dict[tuple[str, int], TargetDraw] = {}
