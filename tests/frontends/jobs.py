@@ -1,0 +1,151 @@
+"""The frontend tests' jobs: the toy data as axolotl and LLaMA-Factory read it, their YAMLs, their own command
+lines in their own environments (.venv-axolotl, .venv-llamafactory, built by launch/frontend_env.sh), and what the
+runs recorded (tests/frontends/trace/sitecustomize.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import pytest
+import yaml
+
+from ds_cluster import ClusterSamplingConfig, Plan, build_plan
+from ds_cluster.analysis.folder import AnalysisDir
+from ds_cluster.data.dataset import read_jsonl, write_jsonl
+from bench.toy.tasks import DEFAULT_DATA
+from tests.launching import REPO, free_port, job_env
+from tests.training import read_trace
+
+TRACER = REPO / "tests" / "frontends" / "trace"
+# Records of the toy data the runs train on (every family): small enough for seconds of training per run.
+NUM_RECORDS = 192
+MICRO_BATCH = 4
+ACCUMULATION = 2
+# Kept 64 of 192: 4 optimizer steps per epoch on 2 ranks, 8 in one process.
+BUDGET_RATIO = 0.34
+JOB_TIMEOUT_S = 480
+# The character tokenizer's template for chat records (every turn: bos, role, ": ", content, eos).
+CHAT_TEMPLATE = ("{% for message in messages %}"
+                 "{{ bos_token + message['role'] + ': ' + message['content'] + eos_token }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ bos_token + 'assistant: ' }}{% endif %}")
+ZERO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True, "bf16": {"enabled": False}, "fp16": {"enabled": False}}
+
+
+def venv(frontend: str) -> Path:
+    """The frontend's environment, or a test failure saying how to build it (never a skip: the tests must not rot)."""
+    folder = REPO / f".venv-{frontend}"
+    if not (folder / "bin" / "python").exists():
+        pytest.fail(f"{folder} is missing: build it with `bash launch/frontend_env.sh {frontend}` (bash "
+                    "launch/test_frontends.sh builds both and runs these tests)")
+    return folder
+
+
+def frontend_env(frontend: str, trace: Optional[Path], extra: Optional[dict] = None) -> dict:
+    """The job environment of tests/launching.py with the frontend's bin first on PATH and the tracer importable."""
+    env = job_env(extra)
+    env["PATH"] = f"{venv(frontend) / 'bin'}{os.pathsep}{env['PATH']}"
+    env["PYTHONPATH"] = f"{TRACER}{os.pathsep}{REPO}"
+    # DeepSpeed's shm comm op is built once per environment (its torch and ninja).
+    env["TORCH_EXTENSIONS_DIR"] = str(REPO / ".torch_extensions" / frontend)
+    env.update(AXOLOTL_DO_NOT_TRACK="1", HF_HUB_DISABLE_TELEMETRY="1", TRANSFORMERS_OFFLINE="1")
+    if trace is not None:
+        env["DS_CLUSTER_TEST_TRACE"] = str(trace)
+    return env
+
+
+def run(cmd: Sequence[str], env: dict, cwd: Path, timeout: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([str(part) for part in cmd], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def launcher_args(nproc: int) -> list[str]:
+    return ["--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+
+
+# ----------------------------------------------------------------------------------------------- data
+def write_data(root: Path) -> Path:
+    """`root/alpaca.jsonl` and `root/chat.jsonl`: the same NUM_RECORDS toy records as Alpaca fields and as chat
+    messages (the user turn is the instruction and input, the assistant turn the output)."""
+    root.mkdir(parents=True, exist_ok=True)
+    records = read_jsonl(DEFAULT_DATA / "train.jsonl")[:NUM_RECORDS]
+    write_jsonl(records, root / "alpaca.jsonl")
+    write_jsonl([{"messages": [{"role": "user", "content": "\n".join(filter(None, (r["instruction"], r["input"])))},
+                               {"role": "assistant", "content": r["output"]}], "family": r["family"]}
+                 for r in records], root / "chat.jsonl")
+    return root
+
+
+def block(analysis: Path, **extra: Any) -> dict:
+    return {"enabled": True, "preset": "recommended", "budget_ratio": BUDGET_RATIO, "analysis_path": str(analysis),
+            **extra}
+
+
+def zero_json(path: Path, stage: int, cluster_block: Optional[dict], **extra: Any) -> Path:
+    """A DeepSpeed JSON as the frontends' examples write them ("auto" where the Trainer fills a value in), but no
+    train_batch_size (docs/axolotl.md: "auto" is filled for one process under DeepSpeed on CPU)."""
+    config: dict[str, Any] = {**ZERO, "zero_optimization": {"stage": stage}, **extra}
+    if stage == 3:
+        config["zero_optimization"].update(stage3_param_persistence_threshold=0,
+                                           stage3_gather_16bit_weights_on_model_save=True)
+    if cluster_block is not None:
+        config["data_efficiency"] = {"enabled": True, "data_sampling": {"enabled": True, "num_workers": 0,
+                                                                        "cluster_sampling": cluster_block}}
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+def write_yaml(path: Path, values: dict) -> Path:
+    path.write_text(yaml.safe_dump(values, sort_keys=False))
+    return path
+
+
+# ------------------------------------------------------------------------------------------ the plan
+def expected_plan(config: ClusterSamplingConfig, num_rows: int, world: int) -> Plan:
+    """The plan built here from the analysis the job wrote, independently of the run, for the run's batch shape."""
+    inputs = AnalysisDir(config.analysis_path).load_inputs(num_rows)
+    return build_plan(config=config, world_size=world, micro_batch_size=MICRO_BATCH,
+                      gradient_accumulation_steps=ACCUMULATION, **inputs.plan_arguments())
+
+
+def read_run(out: Path) -> dict:
+    return json.loads((out / "trace" / "run.json").read_text())
+
+
+def assert_weights_are_the_plans(out: Path, plan: Plan, world: int) -> None:
+    """Every trained sample carried the plan's weight for it."""
+    for rank in range(world):
+        for record in read_trace(out, rank):
+            np.testing.assert_allclose(record["weights"], plan.weights[record["indices"]], rtol=1e-6)
+
+
+def assert_epoch_trains_the_kept_records(out: Path, plan: Plan, world: int) -> None:
+    """The first epoch's micro-batches over every rank are whole global batches of the plan's kept records, each
+    record once (a kept count that is not a multiple of the global batch leaves the rest to later epochs)."""
+    per_epoch = plan.steps_per_epoch * plan.gradient_accumulation_steps
+    trained = [index for rank in range(world) for record in read_trace(out, rank)[:per_epoch]
+               for index in record["indices"]]
+    assert len(trained) == plan.steps_per_epoch * plan.global_batch_size == len(set(trained))
+    assert set(trained) <= set(plan.selected.tolist())
+    assert plan.num_kept - len(trained) < plan.global_batch_size
+
+
+def assert_cluster_figures_are_logged(out: Path, plan: Plan, world: int) -> None:
+    """The frontend's log history carries `cluster_<c>/samples` at every training log, equal to the samples of
+    cluster c trained so far (counted from every rank's trace), and `cluster_<c>/train_loss` for some clusters."""
+    history = [entry for entry in read_run(out)["log_history"] if "loss" in entry]
+    assert history, "no training log"
+    traces = [read_trace(out, rank) for rank in range(world)]
+    for entry in history:
+        trained = np.zeros(plan.num_clusters, dtype=int)
+        for trace in traces:
+            for record in trace:
+                if record["step"] < entry["step"]:
+                    np.add.at(trained, plan.labels[record["indices"]], 1)
+        logged = [float(entry[f"cluster_{c}/samples"]) for c in range(plan.num_clusters)]
+        assert logged == trained.tolist(), (entry["step"], logged, trained.tolist())
+    assert any(key.endswith("/train_loss") for key in history[-1])
