@@ -6,22 +6,20 @@ refusals and the check that the trainer is ds_cluster's. Marked `frontends`: `ba
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Optional
 
 import pytest
 
-from ds_cluster import ClusterSamplingConfig, Plan
+from ds_cluster import Plan
 from ds_cluster.integrations.hf import SAMPLER_STATE_FILE
 from bench.toy.models import base_model_path
-from tests.frontends.jobs import (ACCUMULATION, CHAT_TEMPLATE, MICRO_BATCH, NUM_RECORDS,
-                                  assert_cluster_figures_are_logged, assert_epoch_trains_the_kept_records,
-                                  assert_weights_are_the_plans, block, expected_plan, frontend_env, launcher_args,
-                                  read_run, run, venv, write_data, write_yaml, zero_json)
+from tests.frontends.jobs import (ACCUMULATION, CHAT_TEMPLATE, MICRO_BATCH, assert_job_computed_the_analysis,
+                                  assert_lora_job_follows_the_plan, assert_refused, assert_resume_continues_the_run,
+                                  assert_run_follows_the_plan, block, block_cases, check_outcomes, frontend_env,
+                                  job_plan, launcher_args, run, venv, write_data, write_yaml, zero_json)
 from tests.launching import REPO, check
-from tests.training import assert_trainer_follows_plan, read_trace
 
 pytestmark = [pytest.mark.frontends, pytest.mark.integration]
 
@@ -78,32 +76,16 @@ def zero3_job(data: Path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def zero3_plan(zero3_job: Path) -> Plan:
-    config = ClusterSamplingConfig.from_ds_config(zero3_job / "zero3.json")
-    return expected_plan(config, read_run(zero3_job / "out")["num_rows"], WORLD)
+    return job_plan(zero3_job, zero3_job / "zero3.json", WORLD)
 
 
 def test_the_zero3_job_computes_the_analysis_of_axolotls_rows(zero3_job: Path):
-    run_record = read_run(zero3_job / "out")
-    assert run_record["analysis_timings"]["extract"] > 0, "the analysis was read, not computed in the job"
-    assert run_record["trainer_class"] == "ClusterAxolotlTrainer"
-    manifest = json.loads((zero3_job / "analysis" / "manifest.json").read_text())
-    assert manifest["computed_by"] == "the training job (ClusterAxolotlTrainer)" and manifest["zero_stage"] == 3
-    # One row per record (none is longer than sequence_len), as axolotl tokenized them.
-    assert json.loads((zero3_job / "analysis" / "summary.json").read_text())["num_samples"] == run_record["num_rows"] \
-        == NUM_RECORDS
+    assert assert_job_computed_the_analysis(zero3_job, "ClusterAxolotlTrainer")["zero_stage"] == 3
 
 
 def test_each_rank_trains_exactly_its_plan_batches_under_zero3(zero3_job: Path, zero3_plan: Plan):
-    out = zero3_job / "out"
-    assert read_run(out)["plan_fingerprint"] == zero3_plan.fingerprint()
     assert zero3_plan.steps_per_epoch < SAVE_STEPS < MAX_STEPS and SAVE_STEPS % zero3_plan.steps_per_epoch
-    assert_trainer_follows_plan(out, zero3_plan, MAX_STEPS, WORLD)
-    assert_epoch_trains_the_kept_records(out, zero3_plan, WORLD)
-    assert_weights_are_the_plans(out, zero3_plan, WORLD)
-
-
-def test_axolotls_logs_carry_the_per_cluster_figures(zero3_job: Path, zero3_plan: Plan):
-    assert_cluster_figures_are_logged(zero3_job / "out", zero3_plan, WORLD)
+    assert_run_follows_the_plan(zero3_job / "out", zero3_plan, MAX_STEPS, WORLD)
 
 
 def test_the_report_and_export_read_the_rows_as_axolotl_rendered_them(zero3_job: Path, zero3_plan: Plan):
@@ -136,14 +118,7 @@ def test_resume_from_axolotls_checkpoint_continues_the_same_sequence(zero3_job: 
                                                              deepspeed=str(zero3_job / "zero3.json"),
                                                              resume_from_checkpoint=str(checkpoint)))
     train(cfg, resumed, nproc=WORLD)
-    assert read_run(resumed)["analysis_timings"] == {}, "the resumed run computed the analysis again"
-    skipped = SAVE_STEPS * ACCUMULATION
-    for rank in range(WORLD):
-        expected, got = read_trace(zero3_job / "out", rank)[skipped:], read_trace(resumed, rank)
-        assert [r["indices"] for r in got] == [r["indices"] for r in expected], f"rank {rank}"
-        assert [r["step"] for r in got] == [r["step"] for r in expected]
-        # The same parameters, optimizer state and batches: the same fp32 losses.
-        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], abs=1e-5)
+    assert_resume_continues_the_run(zero3_job / "out", resumed, SAVE_STEPS * ACCUMULATION, WORLD)
 
 
 @pytest.fixture(scope="module")
@@ -161,17 +136,7 @@ def lora_chat_job(data: Path, tmp_path_factory) -> Path:
 
 
 def test_one_process_lora_on_chat_records_follows_the_plan(lora_chat_job: Path):
-    out = lora_chat_job / "out"
-    run_record = read_run(out)
-    assert run_record["analysis_timings"]["extract"] > 0
-    assert run_record["model_class"].startswith("PeftModel")
-    assert run_record["trainable"] and all("lora_" in name for name in run_record["trainable"])
-    config = ClusterSamplingConfig.from_dict(block(lora_chat_job / "analysis"))
-    plan = expected_plan(config, run_record["num_rows"], 1)
-    assert run_record["plan_fingerprint"] == plan.fingerprint()
-    assert_trainer_follows_plan(out, plan, ONE_PROCESS_STEPS, 1)
-    assert_weights_are_the_plans(out, plan, 1)
-    assert_cluster_figures_are_logged(out, plan, 1)
+    assert_lora_job_follows_the_plan(lora_chat_job, ONE_PROCESS_STEPS)
     # The rows as axolotl rendered the chat records with the template: the loss on the assistant turn only.
     first = json.loads((lora_chat_job / "analysis.records.jsonl").read_text().splitlines()[0])
     assert first["prompt"].startswith("<s>user: ") and first["prompt"].endswith("<s>assistant: ")
@@ -198,34 +163,18 @@ def load_configs(data: Path, folder: Path, cases: dict, env_extra: Optional[dict
     """{case: "ok" or the error} of axolotl's own config loading of each case's YAML, in one process."""
     paths = {name: write_yaml(folder / f"{name}.yml", axolotl_yaml(folder, data, folder / "out", **values))
              for name, values in cases.items()}
-    result = check(run([venv(FRONTEND) / "bin" / "python", REPO / "tests" / "frontends" / "axolotl_configs.py",
-                        *paths.values()], frontend_env(FRONTEND, None, env_extra), cwd=folder))
-    outcomes = json.loads(re.search(r"^OUTCOMES (.*)$", result.stdout, re.M).group(1))
-    return {name: outcomes[str(path)] for name, path in paths.items()}
+    return check_outcomes(FRONTEND, "axolotl_configs.py", paths, folder, env_extra)
 
 
 def test_options_that_override_the_plan_and_bad_blocks_are_refused_by_name(data: Path, tmp_path: Path):
     """axolotl's own config loading (plugins registered, then validation) in one process, for every case."""
-    analysis = tmp_path / "analysis"
-    cases = {name: {**options, "cluster_sampling": block(analysis)} for name, options in REFUSED.items()}
-    json_with_block = zero_json(tmp_path / "with_block.json", 3, block(analysis))
-    cases.update({
-        "both": {"deepspeed": str(json_with_block), "cluster_sampling": block(analysis)},
-        "none": {"deepspeed": str(zero_json(tmp_path / "without_block.json", 3, None))},
-        "typo": {"cluster_sampling": {**block(analysis), "budget_ration": 0.3}},
-        "accepted": {"cluster_sampling": block(analysis)},
-    })
-    got = load_configs(data, tmp_path, cases)
+    cases = {name: {**options, "cluster_sampling": block(tmp_path / "analysis")} for name, options in REFUSED.items()}
+    got = load_configs(data, tmp_path, {**cases, **block_cases(tmp_path, 3)})
     # As each rank of a 2-rank launch reads it (alone here: this one is refused before anything starts).
-    auto = zero_json(tmp_path / "auto.json", 3, block(analysis), train_batch_size="auto")
+    auto = zero_json(tmp_path / "auto.json", 3, block(tmp_path / "analysis"), train_batch_size="auto")
     got.update(load_configs(data, tmp_path, {"auto_batch": {"deepspeed": str(auto)}}, {"WORLD_SIZE": "2"}))
-    assert got["accepted"] == "ok"
-    for name in REFUSED:
-        assert got[name].startswith("ValueError: axolotl: cluster_sampling cannot follow"), (name, got[name])
-        assert f"`{name}: " in got[name], got[name]
-    assert "sample packing" in got["sample_packing"].lower() or "packing joins" in got["sample_packing"]
-    assert "given twice" in got["both"] and "no cluster_sampling block" in got["none"]
-    assert "unknown key 'budget_ration' (did you mean 'budget_ratio'?)" in got["typo"]
+    assert_refused(got, list(REFUSED), "axolotl")
+    assert "packing joins several records into one row" in got["sample_packing"]
     assert '"train_batch_size": "auto"' in got["auto_batch"] and "remove train_batch_size" in got["auto_batch"]
 
 

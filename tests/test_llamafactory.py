@@ -7,23 +7,20 @@ the refusals and the guards against training without the plan. Marked `frontends
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
-from ds_cluster import ClusterSamplingConfig, Plan
+from ds_cluster import Plan
 from ds_cluster.integrations.hf import SAMPLER_STATE_FILE
 from ds_cluster.data.dataset import read_jsonl
 from bench.toy.models import base_model_path
 from bench.toy.tasks import DEFAULT_DATA
-from tests.frontends.jobs import (ACCUMULATION, MICRO_BATCH, NUM_RECORDS, assert_cluster_figures_are_logged,
-                                  assert_epoch_trains_the_kept_records, assert_weights_are_the_plans, block,
-                                  expected_plan, frontend_env, launcher_args, read_run, run, venv, write_data,
-                                  write_yaml, zero_json)
+from tests.frontends.jobs import (ACCUMULATION, MICRO_BATCH, NUM_RECORDS, assert_job_computed_the_analysis,
+                                  assert_lora_job_follows_the_plan, assert_refused, assert_resume_continues_the_run,
+                                  assert_run_follows_the_plan, block, block_cases, check_outcomes, frontend_env,
+                                  job_plan, launcher_args, run, venv, write_data, write_yaml, zero_json)
 from tests.launching import REPO, check
-from tests.training import assert_trainer_follows_plan, read_trace
 
 pytestmark = [pytest.mark.frontends, pytest.mark.integration]
 
@@ -81,17 +78,11 @@ def zero2_job(data: Path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def zero2_plan(zero2_job: Path) -> Plan:
-    config = ClusterSamplingConfig.from_ds_config(zero2_job / "zero2.json")
-    return expected_plan(config, read_run(zero2_job / "out")["num_rows"], WORLD)
+    return job_plan(zero2_job, zero2_job / "zero2.json", WORLD)
 
 
 def test_the_zero2_job_computes_the_analysis_of_llamafactorys_rows(zero2_job: Path):
-    run_record = read_run(zero2_job / "out")
-    assert run_record["analysis_timings"]["extract"] > 0, "the analysis was read, not computed in the job"
-    assert run_record["trainer_class"] == "ClusterSeq2SeqTrainer"
-    manifest = json.loads((zero2_job / "analysis" / "manifest.json").read_text())
-    assert manifest["computed_by"] == "the training job (ClusterSeq2SeqTrainer)"
-    assert run_record["num_rows"] == NUM_RECORDS
+    assert_job_computed_the_analysis(zero2_job, "ClusterSeq2SeqTrainer")
     assert_rows_are_the_records_as_rendered(zero2_job)
 
 
@@ -105,17 +96,12 @@ def assert_rows_are_the_records_as_rendered(job: Path) -> None:
 
 
 def test_each_rank_trains_exactly_its_plan_batches_under_zero2(zero2_job: Path, zero2_plan: Plan):
-    out = zero2_job / "out"
-    assert read_run(out)["plan_fingerprint"] == zero2_plan.fingerprint()
     assert zero2_plan.steps_per_epoch < SAVE_STEPS < MAX_STEPS and SAVE_STEPS % zero2_plan.steps_per_epoch
-    assert_trainer_follows_plan(out, zero2_plan, MAX_STEPS, WORLD)
-    assert_epoch_trains_the_kept_records(out, zero2_plan, WORLD)
-    assert_weights_are_the_plans(out, zero2_plan, WORLD)
+    assert_run_follows_the_plan(zero2_job / "out", zero2_plan, MAX_STEPS, WORLD)
 
 
-def test_llamafactorys_logs_carry_the_per_cluster_figures(zero2_job: Path, zero2_plan: Plan):
-    assert_cluster_figures_are_logged(zero2_job / "out", zero2_plan, WORLD)
-    # LLaMA-Factory's own trainer_state.json (what its loss plot reads) holds them too.
+def test_llamafactorys_own_trainer_state_carries_the_per_cluster_figures(zero2_job: Path):
+    # What LLaMA-Factory's loss plot reads.
     state = json.loads((zero2_job / "out" / "trainer_state.json").read_text())
     assert any("cluster_0/samples" in entry for entry in state["log_history"])
 
@@ -128,14 +114,7 @@ def test_resume_from_llamafactorys_checkpoint_continues_the_same_sequence(zero2_
     cfg = write_yaml(zero2_job / "resume.yaml", llamafactory_yaml(
         data, resumed, "toy_chat", deepspeed=str(zero2_job / "zero2.json"), resume_from_checkpoint=str(checkpoint)))
     train(cfg, resumed, nproc=WORLD)
-    assert read_run(resumed)["analysis_timings"] == {}, "the resumed run computed the analysis again"
-    skipped = SAVE_STEPS * ACCUMULATION
-    for rank in range(WORLD):
-        expected, got = read_trace(zero2_job / "out", rank)[skipped:], read_trace(resumed, rank)
-        assert [r["indices"] for r in got] == [r["indices"] for r in expected], f"rank {rank}"
-        assert [r["step"] for r in got] == [r["step"] for r in expected]
-        assert [r["normalizers"] for r in got] == [r["normalizers"] for r in expected]
-        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], abs=1e-5)
+    assert_resume_continues_the_run(zero2_job / "out", resumed, SAVE_STEPS * ACCUMULATION, WORLD)
 
 
 @pytest.fixture(scope="module")
@@ -151,17 +130,7 @@ def lora_alpaca_job(data: Path, tmp_path_factory) -> Path:
 
 
 def test_one_process_lora_on_alpaca_records_follows_the_plan(lora_alpaca_job: Path):
-    out = lora_alpaca_job / "out"
-    run_record = read_run(out)
-    assert run_record["analysis_timings"]["extract"] > 0
-    assert run_record["model_class"].startswith("PeftModel")
-    assert run_record["trainable"] and all("lora_" in name for name in run_record["trainable"])
-    config = ClusterSamplingConfig.from_dict(block(lora_alpaca_job / "analysis"))
-    plan = expected_plan(config, run_record["num_rows"], 1)
-    assert run_record["plan_fingerprint"] == plan.fingerprint()
-    assert_trainer_follows_plan(out, plan, ONE_PROCESS_STEPS, 1)
-    assert_weights_are_the_plans(out, plan, 1)
-    assert_cluster_figures_are_logged(out, plan, 1)
+    assert_lora_job_follows_the_plan(lora_alpaca_job, ONE_PROCESS_STEPS)
     assert_rows_are_the_records_as_rendered(lora_alpaca_job)
 
 
@@ -178,34 +147,15 @@ REFUSED = {
 }
 
 
-def check_options(data: Path, folder: Path, cases: dict, env_extra: Optional[dict] = None) -> dict[str, str]:
-    """{case: "ok" or the error} of the launcher's checks of each case's YAML, in one process."""
-    paths = {name: write_yaml(folder / f"{name}.yaml", llamafactory_yaml(data, folder / "out", "toy_alpaca", **values))
-             for name, values in cases.items()}
-    result = check(run([venv(FRONTEND) / "bin" / "python", REPO / "tests" / "frontends" / "llamafactory_options.py",
-                        *paths.values()], frontend_env(FRONTEND, None, env_extra), cwd=folder))
-    outcomes = json.loads(re.search(r"^OUTCOMES (.*)$", result.stdout, re.M).group(1))
-    return {name: outcomes[str(path)] for name, path in paths.items()}
-
-
 def test_options_that_override_the_plan_and_bad_blocks_are_refused_by_name(data: Path, tmp_path: Path):
-    analysis = tmp_path / "analysis"
-    cases = {name: {**options, "cluster_sampling": block(analysis)} for name, options in REFUSED.items()}
-    json_with_block = zero_json(tmp_path / "with_block.json", 2, block(analysis))
-    cases.update({
-        "both": {"deepspeed": str(json_with_block), "cluster_sampling": block(analysis)},
-        "none": {"deepspeed": str(zero_json(tmp_path / "without_block.json", 2, None))},
-        "typo": {"cluster_sampling": {**block(analysis), "budget_ration": 0.3}},
-        "accepted": {"cluster_sampling": block(analysis)},
-    })
-    got = check_options(data, tmp_path, cases)
-    assert got["accepted"] == "ok"
-    for name in REFUSED:
-        assert got[name].startswith("ValueError: LLaMA-Factory: cluster_sampling cannot follow"), (name, got[name])
-        assert f"`{name}: " in got[name], got[name]
+    """The launcher's checks (LLaMA-Factory's own parser, then the refusals) in one process, for every case."""
+    cases = {name: {**options, "cluster_sampling": block(tmp_path / "analysis")} for name, options in REFUSED.items()}
+    paths = {name: write_yaml(tmp_path / f"{name}.yaml", llamafactory_yaml(data, tmp_path / "out", "toy_alpaca",
+                                                                            **values))
+             for name, values in {**cases, **block_cases(tmp_path, 2)}.items()}
+    got = check_outcomes(FRONTEND, "llamafactory_options.py", paths, tmp_path)
+    assert_refused(got, list(REFUSED), "LLaMA-Factory")
     assert "the other stages (pt, rm, ppo, dpo, kto)" in got["stage"]
-    assert "given twice" in got["both"] and "no cluster_sampling block" in got["none"]
-    assert "unknown key 'budget_ration' (did you mean 'budget_ratio'?)" in got["typo"]
 
 
 def test_a_refused_option_stops_the_launcher_before_the_model_loads(data: Path, tmp_path: Path):

@@ -145,7 +145,8 @@ class FrontendRowsMixin(RowsPlanMixin):
         if self.cluster_block is not None:
             kwargs.setdefault("cluster_config", dict(self.cluster_block))
         super().__init__(*args, **kwargs)
-        if self.cluster_config.enabled and missing_row_columns(self.train_dataset):  # type: ignore[attr-defined]
+        rows = self.train_dataset  # type: ignore[attr-defined]
+        if self.cluster_config.enabled and rows is not None and missing_row_columns(rows):  # type: ignore[attr-defined]
             columns = getattr(self.train_dataset, "column_names", None)  # type: ignore[attr-defined]
             raise ValueError(f"cluster_sampling needs {self.frontend}'s tokenized rows (columns {list(ROW_COLUMNS)}), "
                              f"but its train_dataset has columns {columns}")

@@ -28,7 +28,7 @@ import logging
 import sys
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from llamafactory.hparams import get_train_args, read_args
+from llamafactory.hparams import get_ray_args, get_train_args, read_args
 from llamafactory.train import tuner
 from llamafactory.train.sft import workflow
 from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer
@@ -72,7 +72,7 @@ LLAMAFACTORY_REFUSALS = (
     Refusal("use_mca", _ANOTHER_TRAINER, "use_mca: false", _on),
     Refusal("use_hyper_parallel", _ANOTHER_TRAINER, "use_hyper_parallel: false", _on),
     Refusal("use_kt", _ANOTHER_TRAINER, "use_kt: false", _on),
-    Refusal("use_ray", _ANOTHER_TRAINER, "use_ray: false", _on),
+    Refusal("use_ray", _ANOTHER_TRAINER, "no USE_RAY=1 in the environment", _on),
 )
 
 
@@ -84,7 +84,7 @@ class ClusterSeq2SeqTrainer(FrontendRowsMixin, ClusterSamplingMixin, CustomSeq2S
 
 def parsed_options(args: Mapping[str, Any]) -> dict[str, Any]:
     """LLaMA-Factory's own reading of the YAML (its defaults filled in, its checks run), as one flat dict."""
-    parsed = get_train_args(dict(args))
+    parsed = (*get_train_args(dict(args)), get_ray_args(dict(args)))
     options: dict[str, Any] = {}
     for group in parsed:
         options.update(vars(group))

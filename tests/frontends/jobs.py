@@ -17,8 +17,9 @@ from ds_cluster import ClusterSamplingConfig, Plan, build_plan
 from ds_cluster.analysis.folder import AnalysisDir
 from ds_cluster.data.dataset import read_jsonl, write_jsonl
 from bench.toy.tasks import DEFAULT_DATA
+from tests.frontends.outcomes import read_outcomes
 from tests.launching import REPO, free_port, job_env
-from tests.training import read_trace
+from tests.training import assert_trainer_follows_plan, read_trace
 
 TRACER = REPO / "tests" / "frontends" / "trace"
 # Records of the toy data the runs train on (every family): small enough for seconds of training per run.
@@ -99,6 +100,37 @@ def zero_json(path: Path, stage: int, cluster_block: Optional[dict], **extra: An
     return path
 
 
+def block_cases(folder: Path, stage: int) -> dict[str, dict]:
+    """YAML values of the bad blocks every frontend refuses (and one it accepts): `both` (the YAML key and the JSON),
+    `none` (a JSON without a block), `typo` (an unknown key), `accepted`."""
+    analysis = folder / "analysis"
+    return {"both": {"deepspeed": str(zero_json(folder / "with_block.json", stage, block(analysis))),
+                     "cluster_sampling": block(analysis)},
+            "none": {"deepspeed": str(zero_json(folder / "without_block.json", stage, None))},
+            "typo": {"cluster_sampling": {**block(analysis), "budget_ration": 0.3}},
+            "accepted": {"cluster_sampling": block(analysis)}}
+
+
+def check_outcomes(frontend: str, worker: str, paths: dict[str, Path], folder: Path,
+                   env_extra: Optional[dict] = None) -> dict[str, str]:
+    """{case: "ok" or the error} of a worker in the frontend's environment checking each case's YAML."""
+    result = run([venv(frontend) / "bin" / "python", REPO / "tests" / "frontends" / worker, *paths.values()],
+                 frontend_env(frontend, None, env_extra), cwd=folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = read_outcomes(result.stdout)
+    return {name: outcomes[str(path)] for name, path in paths.items()}
+
+
+def assert_refused(got: dict[str, str], refused: Sequence[str], frontend: str) -> None:
+    """Every refused option's case is one ValueError naming it; the bad blocks are refused, the good one is not."""
+    assert got["accepted"] == "ok"
+    for name in refused:
+        assert got[name].startswith(f"ValueError: {frontend}: cluster_sampling cannot follow"), (name, got[name])
+        assert f"`{name}: " in got[name], got[name]
+    assert "given twice" in got["both"] and "no cluster_sampling block" in got["none"]
+    assert "unknown key 'budget_ration' (did you mean 'budget_ratio'?)" in got["typo"]
+
+
 def write_yaml(path: Path, values: dict) -> Path:
     path.write_text(yaml.safe_dump(values, sort_keys=False))
     return path
@@ -110,6 +142,11 @@ def expected_plan(config: ClusterSamplingConfig, num_rows: int, world: int) -> P
     inputs = AnalysisDir(config.analysis_path).load_inputs(num_rows)
     return build_plan(config=config, world_size=world, micro_batch_size=MICRO_BATCH,
                       gradient_accumulation_steps=ACCUMULATION, **inputs.plan_arguments())
+
+
+def job_plan(job: Path, ds_json: Path, world: int) -> Plan:
+    """The plan of a job whose block is in `ds_json`, built here from the analysis it wrote for its rows."""
+    return expected_plan(ClusterSamplingConfig.from_ds_config(ds_json), read_run(job / "out")["num_rows"], world)
 
 
 def read_run(out: Path) -> dict:
@@ -149,3 +186,50 @@ def assert_cluster_figures_are_logged(out: Path, plan: Plan, world: int) -> None
         logged = [float(entry[f"cluster_{c}/samples"]) for c in range(plan.num_clusters)]
         assert logged == trained.tolist(), (entry["step"], logged, trained.tolist())
     assert any(key.endswith("/train_loss") for key in history[-1])
+
+
+def assert_run_follows_the_plan(out: Path, plan: Plan, max_steps: int, world: int) -> None:
+    """The run built this plan, every rank trained exactly its batches step by step, the first epoch (when the run
+    trained one) is whole global batches of the kept records, every sample carried its plan weight, and the logs
+    carry the per-cluster figures."""
+    assert read_run(out)["plan_fingerprint"] == plan.fingerprint()
+    assert_trainer_follows_plan(out, plan, max_steps, world)
+    if max_steps >= plan.steps_per_epoch:
+        assert_epoch_trains_the_kept_records(out, plan, world)
+    assert_weights_are_the_plans(out, plan, world)
+    assert_cluster_figures_are_logged(out, plan, world)
+
+
+def assert_lora_job_follows_the_plan(job: Path, max_steps: int) -> None:
+    """A one-process LoRA job (`job/out`) with the block as the YAML key: it computed the analysis, trained only the
+    adapters of a PeftModel, and followed the plan built here from that analysis."""
+    run_record = read_run(job / "out")
+    assert run_record["analysis_timings"]["extract"] > 0
+    assert run_record["model_class"].startswith("PeftModel")
+    assert run_record["trainable"] and all("lora_" in name for name in run_record["trainable"])
+    plan = expected_plan(ClusterSamplingConfig.from_dict(block(job / "analysis")), run_record["num_rows"], 1)
+    assert_run_follows_the_plan(job / "out", plan, max_steps, 1)
+
+
+def assert_resume_continues_the_run(whole: Path, resumed: Path, skipped_micro_batches: int, world: int) -> None:
+    """A run resumed from `whole`'s checkpoint read the analysis (computed nothing) and trained the same micro-batches
+    with the same loss normalisers and, from the same parameters and optimizer state, the same fp32 losses."""
+    assert read_run(resumed)["analysis_timings"] == {}, "the resumed run computed the analysis again"
+    for rank in range(world):
+        expected, got = read_trace(whole, rank)[skipped_micro_batches:], read_trace(resumed, rank)
+        for key in ("indices", "step", "normalizers"):
+            assert [r[key] for r in got] == [r[key] for r in expected], (rank, key)
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], abs=1e-5)
+
+
+def assert_job_computed_the_analysis(job: Path, trainer_class: str) -> dict:
+    """The job (`job/out`) trained with `trainer_class` and computed its analysis (`job/analysis`) itself, before its
+    first step; returns the analysis's manifest."""
+    run_record = read_run(job / "out")
+    assert run_record["analysis_timings"]["extract"] > 0, "the analysis was read, not computed in the job"
+    assert run_record["trainer_class"] == trainer_class
+    manifest = json.loads((job / "analysis" / "manifest.json").read_text())
+    assert manifest["computed_by"] == f"the training job ({trainer_class})"
+    # One row per record (none is longer than the rows' length cap), as the frontend tokenized them.
+    assert run_record["num_rows"] == NUM_RECORDS
+    return manifest
