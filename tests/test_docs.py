@@ -1,6 +1,7 @@
 """The docs' claims read against the code: public names, the defaults table, the loss formulas."""
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import pkgutil
@@ -22,7 +23,11 @@ DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
 IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 DOTTED = re.compile(rf"^({IDENTIFIER}(?:\.{IDENTIFIER})+)(?:\(.*\))?$")
 # Packages the docs name that are not this one (`deepspeed.initialize` is DeepSpeed's, not integrations/deepspeed.py).
-OTHER_PACKAGES = {"deepspeed", "torch", "transformers", "trl", "datasets", "sklearn", "accelerate", "numpy", "sys"}
+OTHER_PACKAGES = {"deepspeed", "torch", "transformers", "trl", "datasets", "sklearn", "accelerate", "numpy", "sys",
+                  "axolotl", "llamafactory"}
+# Modules that import a fine-tuning frontend, which is not installed here (each has an environment of its own,
+# launch/frontend_env.sh): the names the docs give of them are read from their source instead.
+FRONTEND_MODULES = {"ds_cluster.integrations.axolotl", "ds_cluster.integrations.llamafactory"}
 
 
 def _backticked(path: Path) -> list[str]:
@@ -60,6 +65,8 @@ def _resolves(dotted: str, modules: dict[str, str]) -> bool:
         module_name = modules.get(".".join(parts[:split]))
         if module_name is None:
             continue
+        if module_name in FRONTEND_MODULES:
+            return _defined_in_source(module_name, parts[split:])
         module = importlib.import_module(module_name)
         # `plan.rank_schedule`: a method of an object of the module's class, as the docs write it of an instance.
         for target in [module] + [value for value in vars(module).values() if isinstance(value, type)]:
@@ -71,6 +78,21 @@ def _resolves(dotted: str, modules: dict[str, str]) -> bool:
                 return True
         return False
     return False
+
+
+def _defined_in_source(module_name: str, attributes: list[str]) -> bool:
+    """Whether a module's source defines `attributes` (a top-level name, then names in its class body)."""
+    scope = ast.parse((REPO / Path(*module_name.split("."))).with_suffix(".py").read_text()).body
+    for attribute in attributes:
+        defined = {node.name: node for node in scope if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+        for node in scope:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            defined.update({target.id: node for target in targets if isinstance(target, ast.Name)})
+        if attribute not in defined:
+            return False
+        scope = defined[attribute].body if isinstance(defined[attribute], ast.ClassDef) else []
+    return True
 
 
 def _doc_names() -> list[tuple[str, str]]:

@@ -45,8 +45,8 @@ def expected_plan(small_job: Path, trainer_config: Path, uninterrupted_run: Path
     inputs = AnalysisDir(config.analysis_path).load_inputs(num_samples)
     ds_config = json.loads(trainer_config.read_text())
     return plan_of_inputs(inputs, config, world_size=WORLD,
-                      micro_batch_size=ds_config["train_micro_batch_size_per_gpu"],
-                      gradient_accumulation_steps=ds_config["gradient_accumulation_steps"])
+                          micro_batch_size=ds_config["train_micro_batch_size_per_gpu"],
+                          gradient_accumulation_steps=ds_config["gradient_accumulation_steps"])
 
 
 def worker_args(job: Path, config: Path, out: Path, *extra: str) -> list[str]:

@@ -218,7 +218,7 @@ def expected_plan(config_path: Path, num_rows: int) -> Plan:
     inputs = AnalysisDir(config.analysis_path).load_inputs(num_rows)
     ds_config = json.loads(config_path.read_text())
     return plan_of_inputs(inputs, config, world_size=2, micro_batch_size=ds_config["train_micro_batch_size_per_gpu"],
-                      gradient_accumulation_steps=ds_config["gradient_accumulation_steps"])
+                          gradient_accumulation_steps=ds_config["gradient_accumulation_steps"])
 
 
 def trainer_args(worker: str, small_job: Path, config: Path, out: Path, *extra: str) -> list[str]:

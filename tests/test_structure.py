@@ -130,15 +130,22 @@ def test_the_floors_are_the_folders_docs_design_names():
         _floor(_module_name(path))  # every module is on a floor
 
 
+# The modules that import an optional package the library does not need: TRL, or a fine-tuning frontend (each in an
+# environment of its own, launch/frontend_env.sh).
+OPTIONAL_MODULES = ("ds_cluster.integrations.trl", "ds_cluster.integrations.axolotl",
+                    "ds_cluster.integrations.llamafactory")
+
+
 def test_the_library_imports_no_benchmark_test_trl_or_plotting_module():
     modules = [_module_name(path) for path in _package_files()
-               if _module_name(path) not in ("ds_cluster.integrations.trl", "ds_cluster.cli.__main__")]
+               if _module_name(path) not in (*OPTIONAL_MODULES, "ds_cluster.cli.__main__")]
     script = ("import importlib, sys\n"
               f"for name in {modules!r}:\n"
               "    importlib.import_module(name)\n"
               "import ds_cluster\n"
               "ds_cluster.ClusterTrainer, ds_cluster.install, ds_cluster.build_plan\n"
-              "print(sorted({m.split('.')[0] for m in sys.modules} & {'bench', 'tests', 'trl', 'matplotlib'}))\n")
+              "print(sorted({m.split('.')[0] for m in sys.modules} & {'bench', 'tests', 'trl', 'matplotlib', "
+              "'axolotl', 'llamafactory'}))\n")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO / "docs", capture_output=True, text=True,
                             timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -308,6 +308,10 @@ class ClusterSamplingMixin:
             self.cluster_setup.restore_sampler(self.cluster_loader, found[0], found[1], where=str(state_path))
         # Trainer skips the resumed epoch's first micro-batches itself.
         self.cluster_loader.trainer_resumes()
+        # It skips them through a plain DataLoader of its own (Accelerate's skip_first_batches) whose iteration
+        # bypasses PlanDataLoader's: the resumed epoch's weights and loss normalisers are set now, before its
+        # worker processes copy the dataset (with dataloader_num_workers > 0 they would train without them).
+        self.cluster_loader.prepare_iteration()
 
 
 def check_data_parallel_is_the_world(args: Any) -> None:
