@@ -250,3 +250,103 @@ def test_an_analysis_records_its_target_and_takes_another_without_touching_its_r
     (folder.path / "target.json").write_text(json.dumps({**second.to_json(), "fingerprint": "other"}))
     with pytest.raises(ValueError, match="do not match its manifest's target_fingerprint f2"):
         folder.load_target()
+
+
+# ---------------------------------------------------------------------- features of a real (toy) model
+@pytest.fixture(scope="module")
+def toy():
+    from bench.toy.models import base_model_path
+    from bench.toy.tasks import DEFAULT_DATA
+    from ds_cluster.data.dataset import load_instruction_dataset, read_jsonl
+    from ds_cluster.data.models import load_model_and_tokenizer
+    from ds_cluster.features.extract import run_extraction
+
+    model, tokenizer = load_model_and_tokenizer(base_model_path())
+    records = read_jsonl(DEFAULT_DATA / "train.jsonl")[:300]
+    dataset = load_instruction_dataset(records, tokenizer, max_length=64)
+    features = run_extraction(model, dataset, kind="hidden", show_progress=False).features
+    heldout = read_jsonl(DEFAULT_DATA / "heldout.jsonl")
+    return SimpleNamespace(model=model, tokenizer=tokenizer, records=records, dataset=dataset, features=features,
+                           heldout=heldout)
+
+
+def test_records_features_once_many_targets_and_another_target_for_an_analysis(toy, tmp_path):
+    """The benchmark's path: the records' features extracted once, an analysis written per target without
+    extracting them again; the selection takes the target's family far beyond its share; `retarget` gives an
+    analysis another target set, and refuses a model other than the one it was made with."""
+    import torch
+
+    from ds_cluster.analysis.target import extract_target, retarget
+    from ds_cluster.features.model_info import model_fingerprint
+
+    config = _config(selection="round_robin", feature_kind="hidden", num_clusters=4, budget_samples=30,
+                     target={"data": "t.jsonl"})
+    analysed = AnalysedFeatures(toy.features, np.zeros(len(toy.records), bool), "hidden", toy.features.shape[1],
+                                model_fingerprint=model_fingerprint(toy.model))
+    families = np.array([record["family"] for record in toy.records])
+    folders = {}
+    for family in ("double", "swap_case"):
+        examples = read_target([r for r in toy.heldout if r["family"] == family][:6], toy.tokenizer, 64)
+        target = extract_target(toy.model, examples, config)
+        folders[family] = AnalysisDir(tmp_path / family)
+        write_analysis(folders[family], analysed, config, AnalysedData(toy.dataset), 1, target=target)
+        loaded = folders[family].load_target()
+        plan = build_plan(cluster_samples(folders[family].load_inputs(len(toy.records)), config.stages().clustering,
+                                          1), config, BatchShape(1, 2, 1), target=loaded)
+        assert plan.num_kept == 30
+        assert (families[plan.selected] == family).mean() > 2 * (families == family).mean()
+    other = read_target([r for r in toy.heldout if r["family"] == "swap_case"][:6], toy.tokenizer, 64)
+    retarget(toy.model, folders["double"], other)
+    np.testing.assert_allclose(folders["double"].load_target().features, folders["swap_case"].load_target().features,
+                               atol=1e-6)
+    assert folders["double"].target_fingerprint() == folders["swap_case"].target_fingerprint()
+    with torch.no_grad():
+        toy.model.lm_head.weight[0, 0] += 1.0
+    try:
+        with pytest.raises(ValueError, match="was made with another model"):
+            retarget(toy.model, folders["double"], other)
+    finally:
+        with torch.no_grad():
+            toy.model.lm_head.weight[0, 0] -= 1.0
+
+
+def test_the_report_shows_each_clusters_affinity_and_the_export_each_records_score(toy, tmp_path):
+    from ds_cluster.analysis.target import extract_target
+    from ds_cluster.report.export import export_subset, record_scores
+    from ds_cluster.report.page import ReportInputs, write_report
+
+    config = _config(selection="clusters", feature_kind="hidden", num_clusters=4, budget_samples=40,
+                     target={"data": "t.jsonl", "group_field": "family"})
+    examples = read_target([r for r in toy.heldout if r["family"] in ("double", "rotate")][:8], toy.tokenizer, 64,
+                           group_field="family")
+    target = extract_target(toy.model, examples, config)
+    clusters = cluster_samples(PlanInputs(toy.features, None, None), config.stages().clustering, 1)
+    plan = build_plan(clusters, config, BatchShape(1, 2, 1), target=target)
+    page = write_report(tmp_path / "report", plan, ReportInputs(features=toy.features, target=target)).read_text()
+    assert "<h2>Target</h2>" in page and "kept: mean similarity" in page and "examples it serves" in page
+    hidden = write_report(tmp_path / "no_text", plan, ReportInputs(features=toy.features, target=target,
+                                                                    include_text=False)).read_text()
+    assert "examples it serves" not in hidden
+    manifest = export_subset(plan, toy.records, tmp_path / "subset.jsonl", scores=record_scores(toy.features, target))
+    rows = [json.loads(line) for line in (tmp_path / "subset.jsonl").read_text().splitlines()]
+    assert len(rows) == plan.num_kept and set(manifest["fields_added"]) == {"cluster", "weight", "target_score",
+                                                                            "target_group"}
+    scores, _ = targeted.target_scores(toy.features, plan.selected, target)
+    np.testing.assert_allclose([row["target_score"] for row in rows], scores)
+    assert {row["target_group"] for row in rows} <= set(examples.group_names)
+
+
+def test_the_configuration_page_lists_every_target_key_with_its_default():
+    from tests.launching import REPO
+    from ds_cluster.config import TargetConfig
+
+    rows = {}
+    for line in (REPO / "docs" / "configuration.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("target."):
+            rows[cells[0].removeprefix("target.")] = cells[1]
+    assert set(rows) == set(TargetConfig.model_fields)
+    for key, written in rows.items():
+        if key != "data":
+            assert json.loads(written) == default_of(f"target.{key}"), key
+    assert "## Measured" in (REPO / "docs" / "targeted.md").read_text()
