@@ -120,8 +120,10 @@ def test_a_missing_target_file_names_the_key(tokenizer, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- round robin
-def _reference_round_robin(features, target, total, similarity):
-    """The rule computed directly: the whole similarity matrix, each query's full order, turns in order."""
+def _reference_round_robin(features, target, total, similarity, clusters=None):
+    """The rule computed directly: the whole similarity matrix, each query's full order, turns in order, a
+    near-duplicate of a record taken from its cluster skipped."""
+    clusters = np.zeros(len(features), int) if clusters is None else np.asarray(clusters)
     units, examples = _unit(features), _unit(target.features)
     table = np.round(units @ examples.T, 9)
     groups = np.asarray(target.groups)
@@ -135,7 +137,8 @@ def _reference_round_robin(features, target, total, similarity):
                 row = order.pop(0)
                 if row in taken or row in skipped:
                     continue
-                if taken and np.round((units[taken] @ units[row]).max(), 9) >= similarity:
+                same = [other for other in taken if clusters[other] == clusters[row]]
+                if same and np.round((units[same] @ units[row]).max(), 9) >= similarity:
                     skipped.add(row)
                     continue
                 taken.append(row)
@@ -144,13 +147,15 @@ def _reference_round_robin(features, target, total, similarity):
 
 
 @pytest.mark.parametrize("groups", [[0] * 6, [0, 0, 0, 1, 1, 2]])
-def test_round_robin_is_the_rule_computed_directly_in_blocks(monkeypatch, groups):
+@pytest.mark.parametrize("similarity", [0.95, 0.5])  # 0.5: many records skipped as near-duplicates, refills
+def test_round_robin_is_the_rule_computed_directly_in_blocks(monkeypatch, groups, similarity):
     pool = _pool()
     rng = np.random.default_rng(1)
     target = _target(pool[rng.choice(len(pool), 6, replace=False)] + rng.normal(0, 0.3, (6, 16)), groups)
+    clusters = rng.integers(0, 3, len(pool))
     monkeypatch.setattr(targeted, "SIMILARITY_BLOCK", 37)  # blocks of 6 or 12 rows: many merges of the best lists
-    chosen = targeted.round_robin(pool, np.arange(len(pool)), target, 60, 0.95)
-    assert chosen.tolist() == _reference_round_robin(pool, target, 60, 0.95)
+    chosen = targeted.round_robin(pool, np.arange(len(pool)), target, 60, similarity, clusters)
+    assert chosen.tolist() == _reference_round_robin(pool, target, 60, similarity, clusters)
     assert chosen.dtype == np.int64 and len(chosen) == 60
 
 
@@ -350,3 +355,30 @@ def test_the_configuration_page_lists_every_target_key_with_its_default():
         if key != "data":
             assert json.loads(written) == default_of(f"target.{key}"), key
     assert "## Measured" in (REPO / "docs" / "targeted.md").read_text()
+
+
+def test_a_job_refuses_a_budget_smaller_than_its_targets_before_any_feature(tokenizer, tmp_path):
+    from ds_cluster.collectives import LOCAL
+    from ds_cluster.data.dataset import InstructionDataset
+    from ds_cluster.integrations.setup import ClusterSetup
+
+    path = tmp_path / "target.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in (ALPACA, CHAT, PROMPT)))
+    config = _config(selection="round_robin", budget_samples=2, target={"data": str(path), "group_field": "family"})
+    data = InstructionDataset([ALPACA] * 10, tokenizer, max_length=64)
+    with pytest.raises(ValueError, match="budget of 2 records is smaller than the 3 targets"):
+        ClusterSetup(config, data, everyone=LOCAL).read_target()
+    examples = ClusterSetup(config.model_copy(update={"budget_samples": 3}), data, everyone=LOCAL).read_target()
+    assert examples.group_names == ("(no group)", "greet", "reverse")
+
+
+def test_a_feature_models_tokenizer_re_encodes_the_examples_and_checks_them_again(tokenizer, tmp_path):
+    from ds_cluster.features.feature_model import feature_dataset
+
+    examples = read_target([ALPACA, CHAT], tokenizer, 64, group_field="family")
+    gpt2 = load_tokenizer("gpt2", tmp_path / "gpt2")  # no chat template: the chat example becomes prompt/completion
+    again = examples.encoded_with(lambda data: feature_dataset(data, gpt2, 128))
+    assert again.dataset.tokenizer is gpt2 and again.fingerprint == examples.fingerprint
+    assert again.dataset.records[1]["completion"] == "hi"
+    with pytest.raises(ValueError, match="target example 0 is .* tokens long, more than the max length 8"):
+        examples.encoded_with(lambda data: feature_dataset(data, gpt2, 8))

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
+import numpy as np
 
 from ds_cluster import distributed
 from ds_cluster.analysis.folder import AnalysisDir
@@ -47,7 +48,9 @@ from ds_cluster.analysis.folder import InJobAnalysis
 from ds_cluster.loader.items import batch_reader
 from ds_cluster.loader.sampler import ClusterDataLoader
 from ds_cluster.loader.schedule import Schedule, StaticSchedule
+from ds_cluster.planning.budget import budget_total
 from ds_cluster.planning.plan import Plan, build_plan
+from ds_cluster.planning.targeted import check_budget_covers_targets
 
 logger = logging.getLogger(__name__)
 
@@ -172,8 +175,13 @@ class ClusterSetup:
         if target is None:
             return None
         tokenizer, max_length = target_encoding(self.training_data, self.tokenizer, self.max_length)
-        return read_target(target.data, tokenizer, max_length, group_field=target.group_field,
-                           min_examples=target.min_examples, groups=target.groups)
+        examples = read_target(target.data, tokenizer, max_length, group_field=target.group_field,
+                               min_examples=target.min_examples, groups=target.groups)
+        # Before any features are computed: a budget that cannot give every target a record.
+        selection = self.stages.selection
+        check_budget_covers_targets(budget_total(np.array([len(self.training_data)]), selection.planned_ratio,
+                                                 selection.budget_samples), examples)
+        return examples
 
     def read_inputs(self) -> PlanInputs:
         """The analysis's features/labels, checked against the training data (length and fingerprint)."""

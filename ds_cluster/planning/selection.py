@@ -31,8 +31,8 @@ from typing import ClassVar, Optional, Union
 import numpy as np
 
 from ds_cluster.planning.diversity import k_center_greedy, semantic_dedup
-from ds_cluster.planning.targeted import (TargetRows, cluster_budgets_toward, member_centroids, round_robin,
-                                          target_scores)
+from ds_cluster.planning.targeted import (TargetRows, check_budget_covers_targets, cluster_budgets_toward,
+                                          member_centroids, round_robin, target_scores)
 from ds_cluster.registry import Registry
 
 
@@ -220,8 +220,9 @@ class RoundRobin(TargetedRule):
     name = "round_robin"
 
     def select_toward(self, inputs: TargetedInputs) -> np.ndarray:
-        return round_robin(inputs.features, np.flatnonzero(inputs.labels >= 0), inputs.target, inputs.total,
-                           inputs.dedup_similarity)
+        rows = np.flatnonzero(inputs.labels >= 0)
+        return round_robin(inputs.features, rows, inputs.target, inputs.total, inputs.dedup_similarity,
+                           inputs.labels[rows])
 
 
 class TowardTargetClusters(TargetedRule):
@@ -233,6 +234,7 @@ class TowardTargetClusters(TargetedRule):
         num_clusters = int(labels.max()) + 1
         sizes = np.bincount(labels[rows], minlength=num_clusters)
         centroids = member_centroids(inputs.features, labels, num_clusters, inputs.centroids)
+        check_budget_covers_targets(inputs.total, inputs.target)
         kept = cluster_budgets_toward(sizes, centroids, inputs.target, inputs.total, inputs.floor)
         score = np.full(labels.size, -np.inf)
         score[rows] = target_scores(inputs.features, rows, inputs.target)[0]

@@ -11,8 +11,9 @@ the lower index on every machine and every rank builds the same plan.
   (each target weighing one, shared by its examples), every cluster first given `floor` records.
 
 Near-duplicates (one example rendered under many templates) never fill a selection: a record whose similarity to a
-record already taken is at or above `dedup_similarity` is skipped, and skipped records come back only when nothing
-else is left (most similar to the target first).
+record already taken from its cluster is at or above `dedup_similarity` is skipped (near-duplicates share a cluster;
+testing within it keeps the cost O(S^2 d / K)), and skipped records come back only when nothing else is left (most
+similar to the target first).
 """
 from __future__ import annotations
 
@@ -97,48 +98,64 @@ def _top_matches(features: np.ndarray, rows: np.ndarray, examples: np.ndarray, q
 
 
 class _Taken:
-    """The records taken so far (their unit rows, for the near-duplicate test) and those skipped as near-duplicates."""
+    """The records taken so far, and those skipped as near-duplicates: a record is tested against the records already
+    taken from its own cluster (near-duplicates share a cluster), whose unit rows are kept cluster by cluster."""
 
-    def __init__(self, features: np.ndarray, size: int, total: int, similarity: float) -> None:
-        self.features, self.similarity = features, similarity
-        self.mask = np.zeros(size, dtype=bool)
-        self.skipped = np.zeros(size, dtype=bool)
-        self.order: list[int] = []
-        self.units = np.empty((total, features.shape[1]), dtype=np.float64)
+    def __init__(self, features: np.ndarray, clusters: np.ndarray, similarity: float) -> None:
+        self.features, self.clusters, self.similarity = features, clusters, similarity
+        self.mask = np.zeros(clusters.size, dtype=bool)
+        self.skipped = np.zeros(clusters.size, dtype=bool)
+        self.count = 0
+        self._units: dict[int, np.ndarray] = {}  # per cluster, rows [0, _sizes[c]) in use
+        self._sizes: dict[int, int] = {}
 
     def offer(self, row: int, index: int) -> bool:
         """Take pool row `row` (the sample `index`) unless it is a near-duplicate of one taken; True when taken."""
+        cluster = int(self.clusters[row])
         unit = unit_rows(self.features[index][None])[0]
-        count = len(self.order)
-        if count and np.round(float((self.units[:count] @ unit).max()), _DECIMALS) >= self.similarity:
+        units, size = self._units.get(cluster), self._sizes.get(cluster, 0)
+        if size and np.round(float((units[:size] @ unit).max()), _DECIMALS) >= self.similarity:
             self.skipped[row] = True
             return False
-        self.units[count] = unit
+        if units is None or size == units.shape[0]:  # room for twice as many
+            grown = np.empty((max(16, 2 * size), unit.size))
+            if units is not None:
+                grown[:size] = units[:size]
+            self._units[cluster] = units = grown
+        units[size] = unit
+        self._sizes[cluster] = size + 1
         self.mask[row] = True
-        self.order.append(row)
+        self.count += 1
         return True
 
 
-def round_robin(features: np.ndarray, rows: np.ndarray, target: TargetRows, total: int,
-                dedup_similarity: float) -> np.ndarray:
-    """`total` of the pool `rows` (sample indices, ascending), taken in turns by the target examples (one target) or
-    by the targets (several), each its best match not yet taken; sorted int64 sample indices. Long because the turns,
-    the refill of a query's candidates and the near-duplicate fill are one loop."""
-    query_of, num_queries = _queries(target)
+def check_budget_covers_targets(total: int, target: TargetRows) -> None:
+    """ValueError when the budget is smaller than the number of targets (some target would get nothing)."""
     num_targets = int(np.unique(target.groups).size)
     if total < num_targets:
         raise ValueError(f"a budget of {total} records is smaller than the {num_targets} targets, so some target "
                          "would get nothing: raise budget_ratio / budget_samples, or give fewer targets")
-    total = min(total, rows.size)
+
+
+def round_robin(features: np.ndarray, rows: np.ndarray, target: TargetRows, total: int, dedup_similarity: float,
+                clusters: Optional[np.ndarray] = None) -> np.ndarray:
+    """`total` of the pool `rows` (sample indices, ascending), taken in turns by the target examples (one target) or
+    by the targets (several), each its best match not yet taken, a near-duplicate of a record already taken from its
+    cluster (`clusters`: each row's; None, one cluster) skipped; sorted int64 sample indices. Long because the turns,
+    the refill of a query's candidates and the near-duplicate fill are one loop."""
+    check_budget_covers_targets(total, target)
+    if total >= rows.size:
+        return np.asarray(rows, dtype=np.int64)
+    query_of, num_queries = _queries(target)
     examples = unit_rows(target.features)
     count = min(rows.size, 2 * -(-total // num_queries) + 16)
     candidates = _top_matches(features, rows, examples, query_of, num_queries, count)
     pointers = np.zeros(num_queries, dtype=np.int64)
-    taken = _Taken(features, rows.size, total, dedup_similarity)
+    taken = _Taken(features, np.zeros(rows.size, np.int64) if clusters is None else clusters, dedup_similarity)
     active = [True] * num_queries
-    while len(taken.order) < total and any(active):
+    while taken.count < total and any(active):
         for query in range(num_queries):
-            if len(taken.order) >= total:
+            if taken.count >= total:
                 break
             while active[query]:
                 if pointers[query] == candidates[query].size:
@@ -155,10 +172,10 @@ def round_robin(features: np.ndarray, rows: np.ndarray, target: TargetRows, tota
                 if not (taken.mask[row] or taken.skipped[row]) and taken.offer(row, int(rows[row])):
                     break
     chosen = taken.mask
-    if len(taken.order) < total:  # only near-duplicates are left: the most similar to the target fill the budget
+    if taken.count < total:  # only near-duplicates are left: the most similar to the target fill the budget
         skipped = np.flatnonzero(taken.skipped & ~chosen)
         scores, _ = target_scores(features, rows[skipped], target)
-        chosen[skipped[np.lexsort((skipped, -scores))[:total - len(taken.order)]]] = True
+        chosen[skipped[np.lexsort((skipped, -scores))[:total - taken.count]]] = True
     return np.sort(rows[chosen]).astype(np.int64)
 
 
