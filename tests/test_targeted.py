@@ -153,7 +153,7 @@ def test_round_robin_is_the_rule_computed_directly_in_blocks(monkeypatch, groups
     rng = np.random.default_rng(1)
     target = _target(pool[rng.choice(len(pool), 6, replace=False)] + rng.normal(0, 0.3, (6, 16)), groups)
     clusters = rng.integers(0, 3, len(pool))
-    monkeypatch.setattr(targeted, "SIMILARITY_BLOCK", 37)  # blocks of 6 or 12 rows: many merges of the best lists
+    monkeypatch.setattr(targeted, "SIMILARITY_BLOCK", 37)  # blocks of 2 rows: many merges of the best lists
     chosen = targeted.round_robin(pool, np.arange(len(pool)), target, 60, similarity, clusters)
     assert chosen.tolist() == _reference_round_robin(pool, target, 60, similarity, clusters)
     assert chosen.dtype == np.int64 and len(chosen) == 60

@@ -23,7 +23,7 @@ import numpy as np
 
 from ds_cluster.planning.budget import apportion
 
-# Pool rows x target examples per block of similarities (32 MB of float64).
+# Pool rows x max(target examples, feature dimension) per block: the block's float64 rows and similarities (32 MB).
 SIMILARITY_BLOCK = 1 << 22
 _DECIMALS = 9
 
@@ -73,7 +73,7 @@ def target_scores(features: np.ndarray, rows: np.ndarray, target: TargetRows) ->
     groups = np.asarray(target.groups, dtype=np.int64)
     scores = np.empty(rows.size, dtype=np.float64)
     nearest = np.empty(rows.size, dtype=np.int64)
-    for start, stop in _blocks(rows.size, examples.shape[0]):
+    for start, stop in _blocks(rows.size, max(examples.shape)):
         similarities = np.round(unit_rows(features[rows[start:stop]]) @ examples.T, _DECIMALS)
         best = np.argmax(similarities, axis=1)  # the first example among ties
         scores[start:stop] = similarities[np.arange(stop - start), best]
@@ -87,7 +87,7 @@ def _top_matches(features: np.ndarray, rows: np.ndarray, examples: np.ndarray, q
     over blocks of the pool."""
     best_positions = [np.zeros(0, dtype=np.int64) for _ in range(num_queries)]
     best_scores = [np.zeros(0) for _ in range(num_queries)]
-    for start, stop in _blocks(rows.size, examples.shape[0]):
+    for start, stop in _blocks(rows.size, max(examples.shape)):
         scores = _query_scores(features, rows, examples, query_of, num_queries, start, stop)
         for query in range(num_queries):
             positions = np.concatenate([best_positions[query], np.arange(start, stop)])
