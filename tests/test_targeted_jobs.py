@@ -66,12 +66,13 @@ def train(small_job: Path, config: Path, out: Path, *extra: str) -> list[str]:
 
 
 def rule_pick(analysis: Path, config: Path) -> np.ndarray:
-    """What round_robin picks from the analysis's features and target, computed here from the folder."""
+    """What round_robin picks from the analysis's features, clusters and target, computed here from the folder."""
     folder = AnalysisDir(analysis)
     inputs = folder.load_inputs(folder.num_samples())
     settings = ClusterSamplingConfig.from_ds_config(config).stages().selection
     rows = np.flatnonzero(~inputs.exclude) if inputs.exclude is not None else np.arange(folder.num_samples())
-    return round_robin(inputs.features, rows, folder.load_target(), round(0.25 * rows.size), settings.dedup_similarity)
+    return round_robin(inputs.features, rows, folder.load_target(), round(0.25 * rows.size), settings.dedup_similarity,
+                       inputs.labels[rows])
 
 
 # ------------------------------------------------------------------------------------------------ launches
