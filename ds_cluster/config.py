@@ -29,7 +29,7 @@ from ds_cluster.planning.shares import ADAPTIVE_RULES
 from ds_cluster.planning.weights import WEIGHTINGS
 from ds_cluster.registry import Registry
 from ds_cluster.settings import (ClusteringSettings, FeatureSettings, LossSettings, ScheduleSettings,
-                                 SelectionSettings, StageSettings, default_of)
+                                 SelectionSettings, StageSettings, TargetSettings, default_of)
 
 # What the reference implementation does (docs/design.md, "The paper preset").
 PAPER_PRESET: dict[str, Any] = {
@@ -60,6 +60,27 @@ RULE_KEYS = tuple(RULE_REGISTRIES)
 NOT_STAGE_KEYS = ("enabled", "preset", "analysis_path", "schedule_log")
 
 
+class TargetConfig(BaseModel):
+    """The `target` sub-block: examples of what the user cares about, for a targeted selection (docs/targeted.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: str = Field(min_length=1)
+    group_field: Optional[str] = default_of("target.group_field")
+    min_examples: int = Field(default_of("target.min_examples"), ge=1)
+    groups: Optional[tuple[str, ...]] = Field(default_of("target.groups"), min_length=1)
+    cluster_floor: int = Field(default_of("target.cluster_floor"), ge=0)
+
+    @model_validator(mode="after")
+    def _groups_need_their_field(self) -> "TargetConfig":
+        if self.groups is not None and self.group_field is None:
+            raise ValueError("target.groups names targets by the field target.group_field: set it too")
+        return self
+
+    def settings(self) -> TargetSettings:
+        return TargetSettings(**self.model_dump())
+
+
 class ClusterSamplingConfig(BaseModel):
     """Settings of cluster-balanced sampling; docs/configuration.md describes every key."""
 
@@ -74,7 +95,8 @@ class ClusterSamplingConfig(BaseModel):
     budget_ratio: Union[Literal["auto"], Annotated[float, Field(gt=0.0, le=1.0)]] = default_of("budget_ratio")
     budget_samples: Optional[int] = Field(default_of("budget_samples"), ge=1)
     selection: str = default_of("selection")
-    # semdedup: cosine similarity at or above which a sample is a near-duplicate of one read before it.
+    # semdedup, round_robin, clusters: cosine similarity at or above which a sample is a near-duplicate of one read
+    # (or taken) before it.
     dedup_similarity: float = Field(default_of("dedup_similarity"), gt=0.0, le=1.0)
     capacity_factor: Optional[float] = Field(default_of("capacity_factor"), ge=1.0)
     capacity_neighbors: int = Field(default_of("capacity_neighbors"), ge=1)
@@ -121,6 +143,8 @@ class ClusterSamplingConfig(BaseModel):
     auto_cooldown: float = Field(default_of("auto_cooldown"), ge=0.0, le=1.0)
     auto_maintenance: float = Field(default_of("auto_maintenance"), ge=0.0, lt=1.0)
     schedule_log: Optional[str] = None
+    # Examples of what the user cares about, read by the targeted selections (round_robin, clusters).
+    target: Optional[TargetConfig] = default_of("target")
 
     @model_validator(mode="before")
     @classmethod
@@ -154,6 +178,25 @@ class ClusterSamplingConfig(BaseModel):
                              "'stratified' (or schedule 'static')")
         return self
 
+    @model_validator(mode="after")
+    def _check_target(self) -> "ClusterSamplingConfig":
+        targeted = SELECTIONS.get_rule(self.selection).targeted
+        if targeted and self.target is None:
+            raise ValueError(f"selection {self.selection!r} takes the records most like a set of target examples: give "
+                             "them as \"target\": {\"data\": \"examples.jsonl\"} (docs/targeted.md), or choose an "
+                             "untargeted selection")
+        if self.target is not None and not targeted:
+            rules = ", ".join(repr(name) for name, rule in SELECTIONS.items() if rule.targeted)
+            raise ValueError(f"a target is given but selection {self.selection!r} does not read it: set selection to "
+                             f"{rules} (or remove the target)")
+        if self.target is not None and self.schedule == "adaptive":
+            raise ValueError("the adaptive schedule draws from every cluster by its training loss and does not read a "
+                             "target: use schedule 'static' with a target (or remove the target)")
+        if self.target is not None and self.sharded_clustering:
+            raise ValueError("a targeted selection reads every feature row, which sharded_clustering keeps on their "
+                             "own ranks: set sharded_clustering false with a target")
+        return self
+
     def stages(self) -> StageSettings:
         """Every stage's settings, derived from this block: the one way a key reaches the code (ds_cluster.settings)."""
         values = self.model_dump()
@@ -164,8 +207,10 @@ class ClusterSamplingConfig(BaseModel):
 
         default_log = (str(Path(self.analysis_path).absolute().parent / "schedule.jsonl")
                        if self.analysis_path else None)
+        selection = dataclasses.replace(derive(SelectionSettings),
+                                        target=self.target.settings() if self.target is not None else None)
         return StageSettings(features=derive(FeatureSettings), clustering=derive(ClusteringSettings),
-                             selection=derive(SelectionSettings),
+                             selection=selection,
                              schedule=derive(ScheduleSettings, auto=self.budget_ratio == "auto",
                                              log_path=self.schedule_log or default_log),
                              loss=derive(LossSettings))
@@ -224,6 +269,8 @@ def _validation_message(err: ValidationError, source: str) -> str:
     inputs: dict[str, Any] = {}
     for item in err.errors():
         key = str(item["loc"][0]) if item["loc"] else "(block)"
+        if key == "target" and len(item["loc"]) > 1 and isinstance(item["loc"][1], str):
+            key = f"target.{item['loc'][1]}"  # a key of the target sub-block
         problems.setdefault(key, []).append(item["msg"])
         inputs.setdefault(key, item.get("input"))
     return f"{source}: invalid value for " + "; ".join(

@@ -55,12 +55,30 @@ class _Declared:
             value = getattr(self, item.name)
             if "unrecorded" in item.metadata and value == item.metadata["unrecorded"]:
                 continue
-            out[item.metadata["key"]] = value
+            out[item.metadata["key"]] = value.recorded() if isinstance(value, _Declared) else value
         return out
 
     @classmethod
     def declared_keys(cls) -> tuple[str, ...]:
         return tuple(item.metadata["key"] for item in dataclasses.fields(cls) if "key" in item.metadata)  # type: ignore
+
+
+@dataclass(frozen=True)
+class TargetSettings(_Declared):
+    """The `target` sub-block: a file of examples of what the user cares about (docs/targeted.md). `data` is where
+    they are read, so a plan never records it (their content's fingerprint, `target_fingerprint`, is what a plan and
+    an analysis record); its keys are `target.<key>` to `default_of`."""
+
+    data: str = ""
+    # The record field naming which target an example belongs to (several targets in one file); records without it
+    # form one target of their own.
+    group_field: Optional[str] = declared("group_field", None)
+    # The fewest examples a target may have.
+    min_examples: int = declared("min_examples", 1)
+    # The targets the file must hold (each with at least min_examples); None: whatever groups it holds.
+    groups: Optional[tuple[str, ...]] = declared("groups", None)
+    # selection "clusters": every cluster keeps at least this many records (0 lets a cluster go unvisited).
+    cluster_floor: int = declared("cluster_floor", 1)
 
 
 @dataclass(frozen=True)
@@ -113,6 +131,8 @@ class SelectionSettings(_Declared):
     budget_samples: Optional[int] = declared("budget_samples", None)
     selection: str = declared("selection", "random")
     dedup_similarity: float = declared("dedup_similarity", 0.95, unrecorded=AT_DEFAULT)
+    # The target examples a targeted selection ("round_robin", "clusters") reads; None: no target.
+    target: Optional[TargetSettings] = declared("target", None, unrecorded=AT_DEFAULT)
     weighting: str = declared("weighting", SHARED_DEFAULTS["weighting"])
     weight_temperature: float = declared("weight_temperature", SHARED_DEFAULTS["weight_temperature"],
                                          unrecorded=AT_DEFAULT)
@@ -207,7 +227,12 @@ STAGE_TYPES = (FeatureSettings, ClusteringSettings, SelectionSettings, ScheduleS
 
 def default_of(key: str) -> Any:
     """The default of a block key, as the stage that reads it declares it (every stage that declares it agrees:
-    tests/test_config.py)."""
+    tests/test_config.py); a key of the target sub-block as `target.<key>`."""
+    if key.startswith("target."):
+        for item in dataclasses.fields(TargetSettings):
+            if item.metadata.get("key") == key.removeprefix("target."):
+                return item.default
+        raise KeyError(f"the target sub-block has no key {key.removeprefix('target.')!r}")
     for stage in STAGE_TYPES:
         for item in dataclasses.fields(stage):
             if item.metadata.get("key") == key:

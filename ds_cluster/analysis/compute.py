@@ -22,10 +22,12 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from ds_cluster.analysis.folder import AnalysisDir, AnalysisTimings
+from ds_cluster.analysis.folder import AnalysedTarget, AnalysisDir, AnalysisTimings
+from ds_cluster.analysis.target import extract_target
 from ds_cluster.clustering.kmeans import ClusterResult, category_counts, cluster_with, purity, spread_to_all
 from ds_cluster.collectives import LOCAL, Collectives
 from ds_cluster.data.dataset import dataset_fingerprint, records_source
+from ds_cluster.data.target import TargetExamples
 from ds_cluster.features.extract import ExtractionResult, run_extraction
 from ds_cluster.features.kinds import feature_kind
 from ds_cluster.features.store import DEFAULT_SHARD_SIZE
@@ -49,7 +51,7 @@ class AnalysisOptions:
     """How an analysis runs, not what it computes (that is the stages' settings): the micro batch of the features
     pass, the feature store (default `out_dir/.feature_store`; `recompute` discards it) and its shard size, the
     progress bar (rank 0), what the manifest records beside the settings (`provenance`: model, data paths...),
-    and the training data when `dataset` is its re-encoding (`of_data`)."""
+    the training data when `dataset` is its re-encoding (`of_data`), and target examples (`target`)."""
 
     batch_size: int = 8
     store_dir: Union[None, str, os.PathLike] = None
@@ -58,6 +60,8 @@ class AnalysisOptions:
     show_progress: bool = True
     provenance: Mapping[str, Any] = field(default_factory=dict)
     of_data: Optional[AnalysedData] = None
+    # Target examples (as the features read them) whose features the analysis records too (docs/targeted.md).
+    target: Optional[TargetExamples] = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
                                 show_progress=options.show_progress, shard_size=options.shard_size,
                                 overwrite=options.recompute, sharded=features.sharded, collectives=collectives,
                                 fingerprint=target_fingerprint if target is dataset else None)
+    target_examples = (extract_target(engine, options.target, features, collectives, options.batch_size)
+                       if options.target is not None else None)
     extracted = time.perf_counter()
     gc.collect()
     clusters = _sharded_clusters(extraction, clustering, collectives) if clustering.sharded else None
@@ -109,7 +115,8 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
         "clustering and writing the analysis",
         lambda: write_analysis(folder, written, stages, AnalysedData(target, target_fingerprint),
                                collectives.world_size, timings=timings,
-                               provenance={"zero_stage": stage, **options.provenance}, clusters=clusters),
+                               provenance={"zero_stage": stage, **options.provenance}, clusters=clusters,
+                               target=target_examples),
         only_rank=0, errors=(ValueError, OSError, RuntimeError))
     summary = folder.summary()
     assert summary is not None
@@ -173,12 +180,16 @@ class AnalysedFeatures:
 def write_analysis(folder: Union[AnalysisDir, str, os.PathLike], features: AnalysedFeatures, settings: Any,
                    data: AnalysedData, world_size: int, *, timings: Optional[AnalysisTimings] = None,
                    provenance: Optional[Mapping[str, Any]] = None,
-                   clusters: Optional[ClusterResult] = None) -> dict[str, Any]:
+                   clusters: Optional[ClusterResult] = None, target: Optional[AnalysedTarget] = None
+                   ) -> dict[str, Any]:
     """The one writer of an analysis folder from features: k-means of the samples with response tokens with the
     clustering settings (unless the ranks did it together: `clusters`), then the folder (arrays, manifest, summary).
     `settings`: the block or its `StageSettings`; `data`: the training data the features are of (its categories,
     when it has them, give the purity). `timings`: of what came before (the features pass); the summary's total
-    adds the clustering and the writing. Returns the summary written."""
+    adds the clustering and the writing. `target`: the target examples' features (`analysis.target.extract_target`,
+    with the same engine and feature settings as `features`), recorded with their fingerprint. Returns the summary
+    written. A caller that has the pool's features already (the benchmark: once per feature model, for many
+    targets) writes an analysis with each target this way, without extracting the pool again."""
     folder = folder if isinstance(folder, AnalysisDir) else AnalysisDir(folder)
     stages = stages_of(settings)
     timings = timings or AnalysisTimings()
@@ -207,6 +218,11 @@ def write_analysis(folder: Union[AnalysisDir, str, os.PathLike], features: Analy
         "world_size": world_size,
         "cluster_sampling": {**stages.features.block_values(), **stages.clustering.block_values()},
     }
+    if target is not None:
+        if np.asarray(target.features).shape[1:] != (features.dim,):
+            raise ValueError(f"the target's features have shape {np.asarray(target.features).shape}, the records' "
+                             f"dimension is {features.dim}: extract both with the same kind and settings")
+        summary["target"] = {"num_examples": int(np.asarray(target.groups).size), "examples": target.counts()}
     summary["timings_s"]["total"] = round(timings.extract + time.perf_counter() - clustering_started, 3)
     arrays = ({"features.npy": features.features.astype(np.float32, copy=False)}
               if features.rows is None and features.keep_features else {})
@@ -216,7 +232,7 @@ def write_analysis(folder: Union[AnalysisDir, str, os.PathLike], features: Analy
         "centroids.npy": np.asarray(clusters.centroids, dtype=np.float32),
         "distances.npy": distances,
         "empty_mask.npy": features.empty_mask,
-    }, manifest, summary, store=features.store)
+    }, manifest, summary, store=features.store, target=target)
     logger.info("analysis of %d samples (%s, d=%d, K=%d) written to %s", num_samples, features.kind,
                 features.dim, num_clusters, folder.path)
     return summary

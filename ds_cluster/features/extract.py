@@ -152,6 +152,13 @@ def _batch_rows(engine: Any, model: torch.nn.Module, layer: torch.nn.Module, cap
         raise RuntimeError("the output layer was not called during the forward pass; cannot read its input")
     hidden = capture.value
     forwarded = time.perf_counter()
+    if not kind.reads_logits:  # a representation of the forward itself (hidden): nothing gathered, no logits
+        counts = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1).to(hidden.device)
+        pooled = kind.pool(hidden, batch["attention_mask"])  # type: ignore[attr-defined]
+        rows = torch.where((counts > 0)[:, None], pooled, torch.zeros_like(pooled)), counts == 0
+        timings["forward"] = timings.get("forward", 0.0) + forwarded - started
+        timings["features"] = timings.get("features", 0.0) + time.perf_counter() - forwarded
+        return rows
     with _full_weight(layer) as (weight, bias):
         # The logits of the response positions in float32, whatever the engine's precision: the softmax of a
         # large vocabulary is where bf16 would lose the most.

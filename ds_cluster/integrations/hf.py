@@ -164,9 +164,13 @@ class ClusterSamplingMixin:
         """
         ds_config = _without_auto(self.args.hf_deepspeed_config.config) if self.args.deepspeed else None
         adapter = self.trainer_adapter(collate_fn, loader_dataset)
+        # Target examples are tokenized like the training data: with the trainer's tokenizer, at SFTConfig.max_length
+        # (TRL), else at the data's own max length or width.
         self.cluster_setup = ClusterSetup(self.cluster_config, self.cluster_plan_dataset(),
                                           everyone=adapter.data_parallel, ds_config=ds_config,
-                                          source=str(self.args.deepspeed) if self.args.deepspeed else "cluster_config")
+                                          source=str(self.args.deepspeed) if self.args.deepspeed else "cluster_config",
+                                          tokenizer=getattr(self, "processing_class", None),
+                                          max_length=getattr(self.args, "max_length", None))
         self.cluster_setup.check_model(self.model)
         self.cluster_loader = self.cluster_setup.build_loader(adapter, check_world_size=adapter.shape.world_size)
         self._sum_over_ranks = adapter.data_parallel.sum

@@ -24,13 +24,15 @@ collective).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
+import numpy as np
 
 from ds_cluster import distributed
 from ds_cluster.analysis.folder import AnalysisDir
@@ -39,13 +41,16 @@ from ds_cluster.batching import BatchShape, check_batch_arithmetic
 from ds_cluster.collectives import Collectives
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.data.dataset import dataset_fingerprint
-from ds_cluster.features.source import feature_source
+from ds_cluster.data.target import TargetExamples, read_target, target_encoding
+from ds_cluster.features.source import FeatureSource, feature_source
 from ds_cluster.loader.adaptive import AdaptiveSchedule
 from ds_cluster.analysis.folder import InJobAnalysis
 from ds_cluster.loader.items import batch_reader
 from ds_cluster.loader.sampler import ClusterDataLoader
 from ds_cluster.loader.schedule import Schedule, StaticSchedule
+from ds_cluster.planning.budget import budget_total
 from ds_cluster.planning.plan import Plan, build_plan
+from ds_cluster.planning.targeted import check_budget_covers_targets
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +80,12 @@ class ClusterSetup:
     """
 
     def __init__(self, config: ClusterSamplingConfig, training_data: Any, *, everyone: Collectives,
-                 ds_config: Optional[Mapping] = None, source: str = "the DeepSpeed config"):
+                 ds_config: Optional[Mapping] = None, source: str = "the DeepSpeed config", tokenizer: Any = None,
+                 max_length: Optional[int] = None):
         self.config = config
+        # What target examples are tokenized with (`data.target.target_encoding`): else the training data's own.
+        self.tokenizer, self.max_length = tokenizer, max_length
+        self.target: Optional[TargetExamples] = None
         self.stages = config.stages()  # every stage's settings, derived once
         self.training_data = training_data
         self.everyone = everyone
@@ -120,10 +129,13 @@ class ClusterSetup:
                 if world_size is not None:
                     check_batch_arithmetic(self.ds_config, self.source, world_size)
             check_training_data(self.training_data)
+            self.target = self.read_target()
             return self.read_inputs() if self.analysis.exists() else None
 
         self._inputs = self.everyone.run_agreed("cluster_sampling set-up", local_checks,
                                                 errors=(ValueError, FileNotFoundError))
+        self.everyone.check_agreement(self.target.fingerprint if self.target is not None else None,
+                                      "target examples (content fingerprint)")
         # The plan depends only on the analysis, so a rank handed other data of the same length would
         # build the same plan and silently train on other samples.
         self.everyone.check_agreement((len(self.training_data), self.data_fingerprint),
@@ -156,6 +168,21 @@ class ClusterSetup:
                              "job to write one into")
         return AnalysisDir(self.config.analysis_path)
 
+    def read_target(self) -> Optional[TargetExamples]:
+        """The configured target examples (`cluster_sampling.target`), read and tokenized like the training data and
+        checked (`data.target.read_target`); None without a target."""
+        target = self.stages.selection.target
+        if target is None:
+            return None
+        tokenizer, max_length = target_encoding(self.training_data, self.tokenizer, self.max_length)
+        examples = read_target(target.data, tokenizer, max_length, group_field=target.group_field,
+                               min_examples=target.min_examples, groups=target.groups)
+        # Before any features are computed: a budget that cannot give every target a record.
+        selection = self.stages.selection
+        check_budget_covers_targets(budget_total(np.array([len(self.training_data)]), selection.planned_ratio,
+                                                 selection.budget_samples), examples)
+        return examples
+
     def read_inputs(self) -> PlanInputs:
         """The analysis's features/labels, checked against the training data (length and fingerprint)."""
         return self.analysis.load_inputs(len(self.training_data), self.data_fingerprint)
@@ -178,6 +205,8 @@ class ClusterSetup:
         inputs, in_job = self._inputs, None
         if inputs is None:
             inputs, in_job = self.analyze_in_job(adapter)
+        elif self.target is not None and self.analysis.target_fingerprint() != self.target.fingerprint:
+            self.retarget_in_job(adapter)  # a changed target set makes a new selection, never a stale one
         plan = self.agreed_plan(adapter.shape, inputs)
         dataset = self.training_data if adapter.loader_dataset is None else adapter.loader_dataset
         rank = adapter.data_parallel.rank
@@ -204,25 +233,14 @@ class ClusterSetup:
         from ds_cluster.analysis.compute import AnalysedData, AnalysisOptions, analyze
 
         started, cpu_started = time.perf_counter(), time.process_time()
-        features = self.stages.features
-        provenance = {"computed_by": adapter.name, "feature_model": features.model}
-        engine, built = adapter.engine, False
-        if callable(engine) and not hasattr(engine, "forward"):  # 0.5.0's adapters gave a function that builds one
-            warnings.warn("TrainerAdapter(engine=<a function building an engine>) is TrainerAdapter(model=...) "
-                          "since 0.6.0", DeprecationWarning, stacklevel=2)
-            engine, built = engine(), True
-        try:
-            # The job's engine (the hook), else a forward-only one of the model (a Trainer), else a feature model.
-            with feature_source(features, self.training_data, ds_config=self.ds_config,
-                                engine=engine, model=adapter.model) as source:
-                options = AnalysisOptions(batch_size=adapter.shape.micro_batch_size,
-                                          show_progress=self.everyone.rank == 0, provenance=provenance,
-                                          of_data=AnalysedData(self.training_data, self.data_fingerprint))
-                result = analyze(source.engine, source.dataset, self.config.analysis_path, self.stages, options,
-                                 self.everyone)
-        finally:
-            if built and hasattr(engine, "destroy"):
-                engine.destroy()
+        provenance = {"computed_by": adapter.name, "feature_model": self.stages.features.model}
+        with self._feature_source(adapter) as source:
+            target = self.target.encoded_with(source.encode) if self.target is not None else None
+            options = AnalysisOptions(batch_size=adapter.shape.micro_batch_size,
+                                      show_progress=self.everyone.rank == 0, provenance=provenance,
+                                      of_data=AnalysedData(self.training_data, self.data_fingerprint), target=target)
+            result = analyze(source.engine, source.dataset, self.config.analysis_path, self.stages, options,
+                             self.everyone)
         inputs = self.everyone.run_agreed("reading the analysis just computed", self.read_inputs,
                                           errors=(ValueError, FileNotFoundError))
         assert inputs is not None
@@ -233,11 +251,45 @@ class ClusterSetup:
                     self.config.analysis_path)
         return inputs, in_job
 
+    @contextlib.contextmanager
+    def _feature_source(self, adapter: TrainerAdapter) -> Iterator[FeatureSource]:
+        """Collective: the job's engine (the hook), else a forward-only one of the model (a Trainer), else the
+        feature model's, with the data it reads (`features.source.feature_source`)."""
+        engine, built = adapter.engine, False
+        if callable(engine) and not hasattr(engine, "forward"):  # 0.5.0's adapters gave a function that builds one
+            warnings.warn("TrainerAdapter(engine=<a function building an engine>) is TrainerAdapter(model=...) "
+                          "since 0.6.0", DeprecationWarning, stacklevel=3)
+            engine, built = engine(), True
+        try:
+            with feature_source(self.stages.features, self.training_data, ds_config=self.ds_config,
+                                engine=engine, model=adapter.model) as source:
+                yield source
+        finally:
+            if built and hasattr(engine, "destroy"):
+                engine.destroy()
+
+    def retarget_in_job(self, adapter: TrainerAdapter) -> None:
+        """Collective: the analysis was made with another target set (or none): the configured target's features,
+        with the analysis's own feature settings and the job's model, written into it; its records' features and
+        clusters are kept (`analysis.target.retarget`, which refuses an analysis of another model)."""
+        from ds_cluster.analysis.target import retarget
+
+        assert self.target is not None
+        with self._feature_source(adapter) as source:
+            retarget(source.engine, self.analysis, self.target.encoded_with(source.encode), self.everyone,
+                     adapter.shape.micro_batch_size)
+
     def agreed_plan(self, shape: BatchShape, inputs: Optional[PlanInputs] = None) -> Plan:
-        """Collective: the plan for this batch shape, the same on every rank, or an error on every rank."""
+        """Collective: the plan for this batch shape, the same on every rank, or an error on every rank. A targeted
+        selection reads the analysis's target, which must be the configured one."""
         def build() -> Plan:
             given = inputs if inputs is not None else self.read_inputs()
-            return build_plan(cluster_samples(given, self.stages.clustering, shape.world_size), self.stages, shape)
+            target = None
+            if self.target is not None:
+                target = self.analysis.load_target()
+                check_target_is_current(self.analysis, target, self.target.fingerprint)
+            return build_plan(cluster_samples(given, self.stages.clustering, shape.world_size), self.stages, shape,
+                              target=target)
 
         plan = self.everyone.run_agreed("building the cluster plan", build, errors=(ValueError, FileNotFoundError))
         assert plan is not None
@@ -301,6 +353,15 @@ def _ordered(value: Any) -> Any:
     """JSON for what json cannot write: a set in sorted order (peft keeps target_modules as a set, whose order
     follows each process's string hashing), anything else as its text."""
     return sorted(map(str, value)) if isinstance(value, (set, frozenset)) else str(value)
+
+
+def check_target_is_current(analysis: AnalysisDir, target: Any, fingerprint: str) -> None:
+    """The analysis's target is the configured one (`fingerprint`), or a ValueError: never a stale selection."""
+    if target is None or target.fingerprint != fingerprint:
+        held = "no target" if target is None else f"the target set {target.fingerprint}"
+        raise ValueError(f"{analysis.path} holds {held}, not the configured cluster_sampling.target ({fingerprint}): "
+                         "compute its target features again (`ds-cluster analyze --target`, or let the training "
+                         "job do it)")
 
 
 def check_training_data(training_data: Any) -> None:

@@ -22,9 +22,11 @@ from ds_cluster.batching import BatchShape
 from ds_cluster.clustering.samples import Clusters, PlanInputs, cluster_samples
 from ds_cluster.fileio import replace_dir, staging_dir, write_json_atomic, write_npy_atomic
 from ds_cluster.planning.allocation import ALLOCATIONS, Allocation, cluster_members, epoch_layout
-from ds_cluster.planning.budget import BUDGETS, cluster_budgets, cluster_spreads
-from ds_cluster.planning.selection import SELECTIONS, UNIFORM, SelectionInputs, select_in_clusters
-from ds_cluster.planning.weights import sample_weights
+from ds_cluster.planning.budget import BUDGETS, budget_total, cluster_budgets, cluster_spreads
+from ds_cluster.planning.selection import (SELECTIONS, UNIFORM, SelectionInputs, TargetedInputs,
+                                           select_in_clusters)
+from ds_cluster.planning.targeted import TargetRows
+from ds_cluster.planning.weights import WEIGHTINGS, sample_weights
 from ds_cluster.settings import StageSettings, stages_of
 
 
@@ -232,14 +234,16 @@ class Plan:
         }
 
 
-def build_plan(clusters: Any, settings: Any, shape: Optional[BatchShape] = None, **old_call: Any) -> Plan:
+def build_plan(clusters: Any, settings: Any, shape: Optional[BatchShape] = None, target: Optional[TargetRows] = None,
+               **old_call: Any) -> Plan:
     """Select a balanced subset of the clusters, weight it, and lay it out for the batch shape.
 
     `clusters`: every sample's cluster (`clustering.samples.cluster_samples`: k-means of an analysis's features, or
     its labels). `settings`: the `cluster_sampling` block (a ClusterSamplingConfig) or its `StageSettings`; the plan
     reads the selection settings and records every stage's (`StageSettings.plan_record`). `shape`: the data-parallel
-    ranks, micro batch and accumulation steps. Long because every choice is checked here, once, before the stages
-    run.
+    ranks, micro batch and accumulation steps. `target`: the target examples' feature rows and targets (an analysis's
+    `AnalysisDir.load_target()`), which a targeted selection ("round_robin", "clusters") reads; it chooses the whole
+    subset, and the clusters' kept counts follow from it; the plan then records the target's fingerprint.
 
     0.6.0's call, `build_plan(features, config, world_size=, micro_batch_size=, gradient_accumulation_steps=,
     labels=, exclude=, distances=, centroids=)`, still works (with a DeprecationWarning): it clusters first.
@@ -254,40 +258,25 @@ def build_plan(clusters: Any, settings: Any, shape: Optional[BatchShape] = None,
     stages: StageSettings = stages_of(settings)
     chosen = stages.selection
     allocation = ALLOCATIONS.get_rule(chosen.allocation)
-    budget = BUDGETS.get_rule(chosen.budget_mode)
     selection = SELECTIONS.get_rule(chosen.selection)
-    points, has_geometry = clusters.features, clusters.has_geometry
-    if selection.reads_features and points is None and has_geometry:
-        raise ValueError(f"selection '{selection.name}' needs the features themselves, and there are none "
-                         "(no features.npy in the analysis); use 'peripheral', 'spread' or 'random'")
     num_clusters, num_samples = clusters.num_clusters, clusters.num_samples
-    taking_part = clusters.taking_part(clusters.labels)
-    cluster_sizes = np.bincount(taking_part, minlength=num_clusters).astype(np.int64)
-    kept_sizes = cluster_budgets(
-        cluster_sizes, budget, chosen.planned_ratio, chosen.budget_samples,
-        # Only a rule that reads them gets the spreads (0.1 to 0.3 s at N = 10M).
-        cluster_spreads(clusters.taking_part(clusters.distances), taking_part, num_clusters)
-        if has_geometry and budget.needs_spreads else None,
-    )
-    allocation.check(kept_sizes, shape)
-    needs_choice = bool((kept_sizes < cluster_sizes).any())
-    selection = selection if (has_geometry or needs_choice) else UNIFORM
-    norms = None
-    if has_geometry and selection.reads_norms:
-        assert points is not None
-        norms = np.full(num_samples, np.nan)
-        norms[clusters.rows] = _row_norms(clusters.taking_part(points))
-    selected = select_in_clusters(clusters.labels, kept_sizes, selection, SelectionInputs(
-        distances=clusters.distances if has_geometry else None, norms=norms,
-        features=points if selection.reads_rows else None, seed=chosen.seed,
-        dedup_similarity=chosen.dedup_similarity))
+    cluster_sizes = np.bincount(clusters.taking_part(clusters.labels), minlength=num_clusters).astype(np.int64)
+    record = stages.plan_record()
+    if selection.targeted:
+        selected, kept_sizes = _targeted_selection(clusters, chosen, selection, cluster_sizes, target)
+        record["target"] = {**record["target"], "fingerprint": getattr(target, "fingerprint", None)}
+        allocation.check(kept_sizes, shape)
+    else:
+        kept_sizes = _cluster_budgets(clusters, chosen, selection, cluster_sizes)
+        allocation.check(kept_sizes, shape)
+        selected = _select_in_clusters(clusters, chosen, selection, cluster_sizes, kept_sizes)
     weights = sample_weights(clusters.labels, selected, cluster_sizes, kept_sizes, chosen.weighting,
                              temperature=chosen.weight_temperature)
 
     plan = Plan(labels=clusters.labels, centroids=clusters.centroids, distances=clusters.distances, selected=selected,
                 weights=weights, cluster_sizes=cluster_sizes, kept_sizes=kept_sizes, world_size=shape.world_size,
                 micro_batch_size=shape.micro_batch_size, gradient_accumulation_steps=shape.gradient_accumulation_steps,
-                allocation=chosen.allocation, seed=chosen.seed, settings=stages.plan_record())
+                allocation=chosen.allocation, seed=chosen.seed, settings=record)
     if plan.steps_per_epoch < 1:
         raise ValueError(
             f"the kept subset ({plan.num_kept} samples, smallest cluster keeps {int(kept_sizes.min())}) is smaller "
@@ -296,6 +285,66 @@ def build_plan(clusters: Any, settings: Any, shape: Optional[BatchShape] = None,
     logger.info("plan %s: %d clusters, kept %d of %d, %d steps per epoch", plan.fingerprint(), num_clusters,
                 plan.num_kept, num_samples, plan.steps_per_epoch)
     return plan
+
+
+def _cluster_budgets(clusters: Clusters, chosen: Any, selection: Any, cluster_sizes: np.ndarray) -> np.ndarray:
+    """The budget rule's kept count per cluster."""
+    budget = BUDGETS.get_rule(chosen.budget_mode)
+    if selection.reads_features and clusters.features is None and clusters.has_geometry:
+        raise ValueError(f"selection '{selection.name}' needs the features themselves, and there are none "
+                         "(no features.npy in the analysis); use 'peripheral', 'spread' or 'random'")
+    taking_part = clusters.taking_part(clusters.labels)
+    return cluster_budgets(
+        cluster_sizes, budget, chosen.planned_ratio, chosen.budget_samples,
+        # Only a rule that reads them gets the spreads (0.1 to 0.3 s at N = 10M).
+        cluster_spreads(clusters.taking_part(clusters.distances), taking_part, clusters.num_clusters)
+        if clusters.has_geometry and budget.needs_spreads else None,
+    )
+
+
+def _select_in_clusters(clusters: Clusters, chosen: Any, selection: Any, cluster_sizes: np.ndarray,
+                        kept_sizes: np.ndarray) -> np.ndarray:
+    """The selection rule's kept samples of each cluster, kept_sizes[c] of cluster c."""
+    points, has_geometry = clusters.features, clusters.has_geometry
+    needs_choice = bool((kept_sizes < cluster_sizes).any())
+    selection = selection if (has_geometry or needs_choice) else UNIFORM
+    norms = None
+    if has_geometry and selection.reads_norms:
+        assert points is not None
+        norms = np.full(clusters.num_samples, np.nan)
+        norms[clusters.rows] = _row_norms(clusters.taking_part(points))
+    return select_in_clusters(clusters.labels, kept_sizes, selection, SelectionInputs(
+        distances=clusters.distances if has_geometry else None, norms=norms,
+        features=points if selection.reads_rows else None, seed=chosen.seed,
+        dedup_similarity=chosen.dedup_similarity))
+
+
+def _targeted_selection(clusters: Clusters, chosen: Any, selection: Any, cluster_sizes: np.ndarray,
+                        target: Optional[TargetRows]) -> tuple[np.ndarray, np.ndarray]:
+    """A targeted rule's subset of budget S (budget_samples, else round(r x N)) and the kept count per cluster."""
+    if chosen.target is None:
+        raise ValueError(f"selection '{selection.name}' reads target examples: set cluster_sampling.target")
+    if target is None:
+        raise ValueError(f"selection '{selection.name}' reads the target examples' features, and there are none: "
+                         "make the analysis with the target (`ds-cluster analyze --target`, or let the training job "
+                         "compute it with cluster_sampling.target set)")
+    if clusters.features is None:
+        raise ValueError(f"selection '{selection.name}' compares the records' features with the target's, and the "
+                         "analysis holds none (no features.npy): rerun `ds-cluster analyze`")
+    if np.asarray(target.features).ndim != 2 or np.asarray(target.features).shape[1] != clusters.features.shape[1]:
+        raise ValueError(f"the target's features have shape {np.asarray(target.features).shape} but the records' "
+                         f"have dimension {clusters.features.shape[1]}: they were not computed together; rerun the "
+                         "analysis with the target")
+    if WEIGHTINGS.get_rule(chosen.weighting).rebalances and chosen.weight_temperature > 0:
+        logger.warning("selection '%s' with weighting '%s': the loss weights give every cluster back its share of "
+                       "the whole data, against the target's choice; \"weighting\": \"none\" trains the subset as "
+                       "it is (docs/targeted.md)", selection.name, chosen.weighting)
+    total = budget_total(cluster_sizes, chosen.planned_ratio, chosen.budget_samples)
+    selected = selection.select_toward(TargetedInputs(
+        features=clusters.features, labels=clusters.labels, centroids=clusters.centroids, target=target,
+        total=total, floor=chosen.target.cluster_floor, dedup_similarity=chosen.dedup_similarity))
+    kept_sizes = np.bincount(clusters.labels[selected], minlength=clusters.num_clusters).astype(np.int64)
+    return selected, kept_sizes
 
 
 def _clusters_of_0_6_call(features: Optional[np.ndarray], settings: Any, shape: Optional[BatchShape],

@@ -16,6 +16,7 @@ from ds_cluster.planning.plan import Plan
 from ds_cluster.report.clusters import ClusterDescription, describe_clusters
 from ds_cluster.report.plots import (plot_category_heatmap, plot_cluster_sizes, plot_projection, plot_rank_step_heatmap,
                                      plot_schedule, plot_weights)
+from ds_cluster.report.target import cluster_affinities
 from ds_cluster.report.summary import (cluster_category_counts, cluster_counts_per_rank_step, pca_projection,
                                        layout_coverage)
 
@@ -141,6 +142,30 @@ def _clusters_section(descriptions: Sequence[ClusterDescription], text_left_out:
     return parts + ["\n".join(rows)]
 
 
+def _target_section(plan: Plan, features: Optional[np.ndarray], target: Any, include_text: bool) -> list[str]:
+    counts = ", ".join(f"{name} {count}" for name, count in target.counts().items())
+    parts = ["<h2>Target</h2>",
+             f"<p>{len(target.groups)} target examples ({html.escape(counts)}), fingerprint "
+             f"{html.escape(target.fingerprint)}, read from {html.escape(str(target.source or 'records in memory'))}."
+             " Per cluster: the target examples nearest its centre, the mean similarity of its records to the target "
+             "(each record's largest cosine to a target example), and what the plan kept of it.</p>"]
+    if features is None:
+        return parts + ['<p class="note">No features in the analysis: no affinity to the target.</p>']
+    header = ["cluster", "target examples nearest", "targets served", "mean similarity", "kept",
+              "kept: mean similarity"] + (["examples it serves"] if include_text else [])
+    rows = ["<table>", "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"]
+    for row in cluster_affinities(plan, features, target):
+        served = ", ".join(f"{name} {count}" for name, count in row.served)
+        cells = [str(row.cluster), str(row.nearest_examples), html.escape(served), f"{row.mean_similarity:.3f}",
+                 str(row.kept), "" if np.isnan(row.kept_mean_similarity) else f"{row.kept_mean_similarity:.3f}"]
+        line = "".join(f"<td>{cell}</td>" for cell in cells)
+        if include_text:
+            line += ('<td class="text"><ol>' + "".join(f"<li>{html.escape(prompt[:160])}</li>" for prompt in
+                                                        row.prompts) + "</ol></td>")
+        rows.append(f"<tr>{line}</tr>")
+    return parts + ["\n".join(rows + ["</table>"])]
+
+
 def _schedule_section(plan: Plan, lines: Sequence[dict], out: Path) -> list[str]:
     last = lines[-1]
     stopped = ", ".join(str(c) for c in last["stopped"]) or "none"
@@ -182,7 +207,8 @@ class ReportInputs:
     leaves every record's text out of the page (for data that must not be copied into a report); schedule_lines:
     an adaptive run's schedule log (one dict per window), for its shares and per-cluster loss over the steps;
     sources: name -> value lines shown at the top (config, analysis...); records_note: why there are no records
-    (prompts, categories), shown where they would be.
+    (prompts, categories), shown where they would be; target: the analysis's target examples (`AnalysisDir.
+    load_target()`), for each cluster's affinity to them (with the features).
     """
 
     features: Optional[np.ndarray] = None
@@ -194,6 +220,7 @@ class ReportInputs:
     sources: Optional[dict[str, str]] = None
     max_projection_points: int = 4000
     records_note: Optional[str] = None
+    target: Any = None
 
 
 def write_report(out_dir: Union[str, Path], plan: Plan, inputs: Optional[ReportInputs] = None) -> Path:
@@ -210,6 +237,8 @@ def write_report(out_dir: Union[str, Path], plan: Plan, inputs: Optional[ReportI
     parts += _plan_section(plan, out)
     descriptions = describe_clusters(plan, prompts=prompts if include_text else None, categories=categories)
     parts += _clusters_section(descriptions, text_left_out=not include_text, records_note=records_note)
+    if shown.target is not None:
+        parts += _target_section(plan, features, shown.target, include_text)
     if schedule_lines:
         parts += _schedule_section(plan, schedule_lines, out)
     parts.append("<h2>Layout: samples of each cluster per rank and step (epoch 0)</h2>")
