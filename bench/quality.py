@@ -144,9 +144,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="add random and recommended at 30%% kept trained to full data's step count (each "
                              "costs a full-data run)")
     parser.add_argument("--target", default=None, metavar="each|G1,G2,...",
-                        help="the targeted instrument: each task group alone as a target (or only these), with "
-                             "bench/candidates.json's declared \"targeted\" design (K, budget, steps, two-group and "
-                             "transfer targets, candidates); docs/targeted.md")
+                        help="the targeted instrument: each task group alone as a target, and the declared two-group "
+                             "and transfer targets (or only these groups alone), with bench/candidates.json's declared "
+                             "\"targeted\" design (K, budget, steps, candidates); docs/targeted.md")
     parser.add_argument("--test-epochs", type=int, default=None, help=argparse.SUPPRESS)  # tests only: tiny runs
     return parser.parse_args(argv)
 
@@ -210,11 +210,15 @@ def _targeted(settings: Settings, spec: str) -> Settings:
     designs = declared["_design"]
     design = dict(designs.get(Path(settings.data).name, designs["default"]))  # pairs and transfer name its groups
     candidates = {name: block for name, block in declared.items() if not name.startswith("_")}
+    # "each": every group alone, the declared pairs and transfer targets; a list: those groups alone, nothing else.
     only = () if spec == "each" else tuple(group for group in spec.split(",") if group)
     targeted = TargetedSettings(per_group=design["per_group"], budget_fraction=design["budget_fraction"],
-                                epochs=design["epochs"], pairs=tuple(tuple(p) for p in design.get("pairs", ())),
-                                transfer=tuple(design.get("transfer", ())), only=only, candidates=candidates)
-    return replace(settings, targeted=targeted, validation_fraction=TARGETED_VALIDATION_FRACTION, features_cache=None)
+                                epochs=design["epochs"],
+                                pairs=tuple(tuple(p) for p in design.get("pairs", ())) if not only else (),
+                                transfer=tuple(design.get("transfer", ())) if not only else (), only=only,
+                                candidates=candidates)
+    return replace(settings, targeted=targeted, validation_fraction=TARGETED_VALIDATION_FRACTION, features_cache=None,
+                   arms=(), skipped=(), max_length=design.get("max_length", settings.max_length))
 
 
 def _instrument(args: argparse.Namespace, argv: Optional[list[str]], choosing: Optional[str]) -> Settings:

@@ -280,7 +280,9 @@ class _Training:
         self.clock = Clock()
         self.engine.train()
         return train_loop(self.engine, self.loader, epochs=sys.maxsize, max_steps=self.total_steps,
-                          hooks=LoopHooks(after_step=self.after_step, after_epoch=self.after_epoch))
+                          # The targeted instrument reads each arm at its end only (its arms' steps are fixed).
+                          hooks=LoopHooks(after_step=self.after_step,
+                                          after_epoch=None if self.spec.per_record else self.after_epoch))
 
 
 def _initialize(arm: Arm, spec: JobSpec, train: InstructionDataset) -> tuple[Any, Any, dict, int, dict]:
@@ -335,7 +337,7 @@ def run_arm(arm: Arm, spec: JobSpec, train: InstructionDataset, tokenizer: Any,
     looped = training.run()
     loop = training.loop_so_far()
     clock = Clock()
-    evaluation = {split: evaluate(engine.module, tokenizer, records, spec, spec.exact_match_families)
+    evaluation = {split: evaluate(engine.module, tokenizer, records, spec, scored_families(spec, split))
                   for split, records in splits.items()}
     evaluated = clock.read()
     curve = training.curve + [{"epoch": engine.global_steps / epoch_steps, "step": engine.global_steps,
@@ -364,6 +366,12 @@ def run_arm(arm: Arm, spec: JobSpec, train: InstructionDataset, tokenizer: Any,
     return result
 
 
+def scored_families(spec: JobSpec, split: str) -> list:
+    """The families greedy exact match is scored on in `split`: the label families; the targeted instrument chooses
+    by the answer loss on validation, so it generates on held-out only."""
+    return [] if spec.per_record and split == "validation" else spec.exact_match_families
+
+
 # --------------------------------------------------------------------------- the job
 def checked_gate(work: Path, spec: JobSpec) -> dict[str, Any]:
     """The calibration gate's decision and its text, as WORK/gate.json holds them."""
@@ -378,7 +386,7 @@ def _evaluate_base(model: Any, tokenizer: Any, splits: dict[str, list[dict]], sp
     if exists_on_rank0(base_path):
         return
     clock = Clock()
-    base = {split: evaluate(model, tokenizer, records, spec, spec.exact_match_families)
+    base = {split: evaluate(model, tokenizer, records, spec, scored_families(spec, split))
             for split, records in splits.items()}
     base["time"] = summed(clock.read())
     if spec.instrument == "synthetic":

@@ -141,7 +141,9 @@ class TargetedBuilder(ArmBuilder):
     def targeted_analysis(self, target: Target, seed: int, block: dict, source: str) -> str:
         """The candidate's clustering of the pool's features (its feature kind, K and seed) with this draw's target
         examples' features beside them."""
-        base = self.clustering_analysis(seed, block, source)
+        # The pool's clustering (its feature kind, K and seed) is the untargeted one: the rule reads the target later.
+        base = self.clustering_analysis(seed, {k: v for k, v in block.items() if k not in ("selection", "source")},
+                                        source)
         name = f"{base}_{target.name}"
         draw = self.draw(target, seed)
         self.analyses.setdefault(name, Analysis(
