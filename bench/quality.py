@@ -147,6 +147,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="the targeted instrument: each task group alone as a target, and the declared two-group "
                              "and transfer targets (or only these groups alone), with bench/candidates.json's declared "
                              "\"targeted\" design (K, budget, steps, candidates); docs/targeted.md")
+    parser.add_argument("--target-k8", default="", metavar="CANDIDATE,...",
+                        help="with --target: these candidates also run with the first 8 examples of each group of the "
+                             "same draws (the K = 8 grid row, when the selection diagnostics show K = 8 selects "
+                             "otherwise)")
     parser.add_argument("--test-epochs", type=int, default=None, help=argparse.SUPPRESS)  # tests only: tiny runs
     return parser.parse_args(argv)
 
@@ -198,6 +202,11 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
         settings = _choosing(settings, choosing)
     if args.target:
         settings = _targeted(settings, args.target)
+        small = tuple(name for name in args.target_k8.split(",") if name)
+        unknown = sorted(set(small) - set(settings.targeted.candidates))  # type: ignore[union-attr]
+        if unknown:
+            raise SystemExit(f"--target-k8: {unknown} are not declared targeted candidates")
+        settings = replace(settings, targeted=replace(settings.targeted, small_k=small))
     return with_feature_models(settings)
 
 

@@ -26,10 +26,11 @@ from bench.harness.data import PreparedData
 from bench.harness.instrument import WORLD_SIZE, Settings
 from bench.harness.targets import (TARGET_FIELD, Target, TargetDraw, draw_examples, leakage, lexical_subset,
                                    oracle_subset, pool_mask, targets_of, write_draw)
-from ds_cluster.data.dataset import read_jsonl, task_group
+from ds_cluster.data.dataset import read_jsonl, task_group, write_jsonl
 from ds_cluster.fileio import write_json_atomic
 
 BALANCED = "balanced"  # a random subset balanced over the task groups
+SMALL_K = 8  # the selection diagnostics' K (and the K = 8 grid row)
 ORACLE = "label_oracle"
 LEXICAL = "lexical"
 PLAIN = {**WHOLE, "weighting": "none"}  # train on the records the analysis keeps, as they are
@@ -46,6 +47,8 @@ class TargetedSettings:
     transfer: tuple = ()  # groups removed from the pool, one transfer target each
     only: tuple = ()  # single-group targets to run (empty: every group)
     candidates: dict = field(default_factory=dict)  # name -> the targeted arm's block (a kind and a rule)
+    # Candidates also run with the first SMALL_K examples of each group of the same draw (the K = 8 grid row).
+    small_k: tuple = ()
     baselines: tuple = (Method.RANDOM, Method.FULL_CUT, BALANCED, ORACLE, LEXICAL)
 
 
@@ -138,14 +141,29 @@ class TargetedBuilder(ArmBuilder):
             self.draws[(target.name, seed)] = write_draw(draw, self.settings.work_dir / "targets")
         return self.draws[(target.name, seed)]
 
-    def targeted_analysis(self, target: Target, seed: int, block: dict, source: str) -> str:
+    def small_draw(self, target: Target, seed: int) -> TargetDraw:
+        """The first SMALL_K examples of each group of the seed's draw, in their own target file."""
+        draw = self.draw(target, seed)
+        kept, taken = [], {}
+        for record in draw.examples:
+            group = record[TARGET_FIELD]
+            if taken.get(group, 0) < SMALL_K:
+                kept.append(record)
+                taken[group] = taken.get(group, 0) + 1
+        path = draw.path.with_name(f"{draw.path.stem}_k{SMALL_K}.jsonl")
+        write_jsonl(kept, path)
+        return TargetDraw(target, seed, kept, draw.example_groups, path)
+
+    def targeted_analysis(self, target: Target, seed: int, block: dict, source: str,
+                          draw: Optional[TargetDraw] = None) -> str:
         """The candidate's clustering of the pool's features (its feature kind, K and seed) with this draw's target
         examples' features beside them."""
         # The pool's clustering (its feature kind, K and seed) is the untargeted one: the rule reads the target later.
         base = self.clustering_analysis(seed, {k: v for k, v in block.items() if k not in ("selection", "source")},
                                         source)
-        name = f"{base}_{target.name}"
-        draw = self.draw(target, seed)
+        small = draw is not None and draw.path != self.draw(target, seed).path
+        draw = draw or self.draw(target, seed)
+        name = f"{base}_{target.name}" + (f"_k{SMALL_K}" if small else "")
         self.analyses.setdefault(name, Analysis(
             str(self.root / name), cluster_sampling=self.analyses[base].cluster_sampling,
             features=self.analyses[base].features, keep_features=True, target=str(draw.path),
@@ -186,12 +204,15 @@ def build_targeted_arms(settings: Settings, data: PreparedData) -> tuple[list[Ar
             arms.append(builder.arm_of(f"{LEXICAL}_{target.name}", LEXICAL, seed,
                                        builder.subset(f"{LEXICAL}_{target.name}_s{seed}", chosen), PLAIN,
                                        target.name, steps=builder.steps))
-            for candidate, block in targeted.candidates.items():
+            runs = [(name, block, draw) for name, block in targeted.candidates.items()]
+            runs += [(f"{name}_k{SMALL_K}", targeted.candidates[name], builder.small_draw(target, seed))
+                     for name in targeted.small_k]
+            for candidate, block, examples in runs:
                 source = block.get("source", "own")
-                analysis = builder.targeted_analysis(target, seed, block, source)
+                analysis = builder.targeted_analysis(target, seed, block, source, examples)
                 arms.append(builder.arm_of(f"{candidate}_{target.name}", candidate, seed, analysis, {
                     **{k: v for k, v in block.items() if k != "source"}, "budget_samples": builder.budget,
-                    "target": {"data": str(draw.path), "group_field": TARGET_FIELD}}, target.name, candidate,
+                    "target": {"data": str(examples.path), "group_field": TARGET_FIELD}}, target.name, candidate,
                     steps=builder.steps))
     record = {"budget": builder.budget, "steps": builder.steps, "pool": len(builder.pool),
               "targets": [{"name": t.name, "groups": list(t.groups), "transfer": t.transfer} for t in targets],

@@ -13,8 +13,10 @@ import numpy as np
 from bench.harness.arms import Arm, Method
 from bench.harness.instrument import Settings
 from bench.harness.report import machine
+from bench.harness.spec import JobSpec
 from bench.harness.summary import format_stat
 from bench.harness.targeted import ORACLE
+from bench.harness.targeted_diagnostics import diagnostics_table, targeted_diagnostics
 from bench.harness.targeted_summary import TargetedRun, method_label, overlap_with_oracle
 
 # The goals of issue 56 (declared with the instrument): the time bounds on features plus selection, over full
@@ -40,11 +42,17 @@ def write_targeted_report(settings: Settings, arms: Sequence[Arm], validation_on
     chosen = chosen_candidate(validation, candidates)
     lines = _header(settings, run, candidates)
     lines += _diagnostics(run, singles)
+    spec = JobSpec.read(settings.work_dir / "spec.json")
+    checks = targeted_diagnostics(run.arms, run.results, spec.analyses, run.pool_groups,
+                                  {name: target["groups"] for name, target in run.targets.items()})
+    lines += ["## selections with K = 8, and the retrieval check (round_robin arms)", "", *diagnostics_table(checks),
+              ""]
     lines += ["## validation: averaged over the single-group targets (the choice is made here)", "",
               *_averaged_table(validation, settings), "",
               f"Chosen by the declared rule (lowest mean target-group validation loss): **{chosen}**." if chosen
               else "No candidate finished: nothing chosen.", ""]
-    payload: dict[str, Any] = {"design": run.draws, "validation": validation, "chosen": chosen}
+    payload: dict[str, Any] = {"design": run.draws, "validation": validation, "chosen": chosen,
+                               "diagnostics": checks}
     if not validation_only:
         heldout = run.averaged("heldout", singles)
         per_target = run.table("heldout")
