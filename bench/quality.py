@@ -107,6 +107,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="choose the adaptive schedule's window and probe size among bench/candidates.json's "
                              "\"adaptive_overhead\" list: the lowest macro validation loss among those whose loader "
                              "share of the training loop is under 1%%, T0 validation only")
+    parser.add_argument("--choose-hidden", action="store_true",
+                        help="the recommended preset on the `hidden` features beside its lm_head features and a random "
+                             "subset, T0 validation only (bench/candidates.json's \"hidden_features\" list)")
     parser.add_argument("--seeds", type=int, default=None,
                         help="paired seeds (default 4; the SmolLM2 instrument's own recipe otherwise)")
     parser.add_argument("--full-seeds", type=int, default=None, metavar="N",

@@ -50,7 +50,8 @@ OVERHEAD_LIMIT = 0.01
 CHOICE_LISTS: dict[str, Optional[str]] = {"choose_adaptive": "adaptive", "choose_auto": "auto",
                                           "choose_overhead": "adaptive_overhead",
                                           "choose_auto_overhead": "auto_overhead",
-                                          "choose_auto_signal": "auto_signal", "choose": None}
+                                          "choose_auto_signal": "auto_signal", "choose_hidden": "hidden_features",
+                                          "choose": None}
 # The choosing runs whose rule reads the loader's share of the loop against OVERHEAD_LIMIT.
 OVERHEAD_CHOICES = ("choose_overhead", "choose_auto_overhead", "choose_auto_signal")
 
