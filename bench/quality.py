@@ -150,6 +150,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="the targeted instrument: each task group alone as a target, and the declared two-group "
                              "and transfer targets (or only these groups alone), with bench/candidates.json's declared "
                              "\"targeted\" design (K, budget, steps, candidates); docs/targeted.md")
+    parser.add_argument("--target-candidates", default="", metavar="CANDIDATE,...",
+                        help="with --target: only these of the declared candidates (a confirmation runs the chosen "
+                             "one)")
     parser.add_argument("--target-k8", default="", metavar="CANDIDATE,...",
                         help="with --target: these candidates also run with the first 8 examples of each group of the "
                              "same draws (the K = 8 grid row, when the selection diagnostics show K = 8 selects "
@@ -205,11 +208,14 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
         settings = _choosing(settings, choosing)
     if args.target:
         settings = _targeted(settings, args.target)
+        declared = settings.targeted.candidates  # type: ignore[union-attr]
         small = tuple(name for name in args.target_k8.split(",") if name)
-        unknown = sorted(set(small) - set(settings.targeted.candidates))  # type: ignore[union-attr]
+        only = tuple(name for name in args.target_candidates.split(",") if name) or tuple(declared)
+        unknown = sorted((set(small) | set(only)) - set(declared))
         if unknown:
-            raise SystemExit(f"--target-k8: {unknown} are not declared targeted candidates")
-        settings = replace(settings, targeted=replace(settings.targeted, small_k=small))
+            raise SystemExit(f"--target-k8/--target-candidates: {unknown} are not declared targeted candidates")
+        settings = replace(settings, targeted=replace(settings.targeted, small_k=small,
+                                                      candidates={name: declared[name] for name in only}))
     return with_feature_models(settings)
 
 
