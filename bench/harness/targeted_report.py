@@ -63,6 +63,7 @@ def write_targeted_report(settings: Settings, arms: Sequence[Arm], validation_on
                   "| method | (random - method) / (random - oracle) |", "|---|---|",
                   *[f"| {method_label(m, settings.targeted.candidates)} | "  # type: ignore[union-attr]
                     f"{'—' if v is None else f'{v:.2f}'} |" for m, v in closed.items()], ""]
+        lines += _beside_full_data(run, chosen, singles)
         goals = _goals(run, heldout, closed, chosen, singles, settings)
         lines += ["## goals (held-out)", "", "| goal | met | measured |", "|---|---|---|",
                   *[f"| {g['goal']} | {'yes' if g['met'] else 'no'} | {g['measured']} |" for g in goals], ""]
@@ -160,7 +161,54 @@ def _goals(run: TargetedRun, heldout: Mapping[str, dict], closed: Mapping[str, O
     goals.append({"goal": f"closes at least {ORACLE_CLOSED_MIN:.0%} of the oracle's lead over random",
                   "met": share is not None and share >= ORACLE_CLOSED_MIN,
                   "measured": "no lead to close" if share is None else f"{share:.2f}"})
+    ratio = feature_time_ratio(run, chosen, settings)
+    if ratio is not None:
+        goals.append({"goal": f"features plus selection at most {OWN_FEATURES_TIME_MAX:.0%} of full data's time "
+                              "(the trained model's own features)",
+                      "met": ratio <= OWN_FEATURES_TIME_MAX, "measured": f"{ratio:.3f}"})
     return goals
+
+
+def feature_time_ratio(run: TargetedRun, method: str, settings: Settings) -> Optional[float]:
+    """Features plus selection of a method's arms (their analyses' CPU s: the pool's features, k-means, the target's
+    features; and the plan, inside the arm's set-up), mean over its arms, over full data's own run (its set-up and
+    training loop, CPU s, on the first seed)."""
+    full = next((run.results[arm.name] for arm in run.arms if arm.method == Method.FULL), None)
+    spec = JobSpec.read(settings.work_dir / "spec.json")
+    costs = []
+    for arm in run.arms:
+        if arm.method != method:
+            continue
+        cost_path = Path(spec.analyses[arm.analysis].path) / "cost.json"
+        if cost_path.exists():
+            costs.append(json.loads(cost_path.read_text())["cpu"] + run.results[arm.name]["time"]["setup"]["cpu"])
+    if full is None or not costs:
+        return None
+    return float(np.mean(costs)) / (full["time"]["setup"]["cpu"] + full["time"]["loop"]["cpu"])
+
+
+def _beside_full_data(run: TargetedRun, chosen: Optional[str], singles: Sequence[str]) -> list[str]:
+    """The chosen arm against full data trained for all of its steps (its own recipe, the first seed), on the target
+    groups (held-out), and the collateral cost on the other groups."""
+    full = next((arm for arm in run.arms if arm.method == Method.FULL), None)
+    if chosen is None or full is None:
+        return []
+    lines = ["## heldout: the chosen arm against full data at all its steps (first seed), and its collateral cost",
+             "", "| target | full data, all its steps | chosen arm (mean over seeds) | difference | other groups' "
+             "macro loss, chosen minus random (mean over seeds) |", "|---|---|---|---|---|"]
+    for target in run.targets:
+        arms = [run.arm(chosen, target, seed) for seed in sorted({arm.seed for arm in run.arms})]
+        arms = [arm for arm in arms if arm is not None]
+        if not arms:
+            continue
+        full_loss = run.target_loss(full, target, "heldout")
+        mine = float(np.mean([run.target_loss(arm, target, "heldout") for arm in arms]))
+        collateral = [run.others_loss(arm, target) - run.others_loss(run.arm(Method.RANDOM, target, arm.seed),
+                                                                     target)
+                      for arm in arms if run.arm(Method.RANDOM, target, arm.seed) is not None]
+        lines.append(f"| {target} | {full_loss:.3f} | {mine:.3f} | {mine - full_loss:+.3f} | "
+                     f"{np.mean(collateral):+.3f} |")
+    return lines + [""]
 
 
 def _time_lines(run: TargetedRun, settings: Settings) -> list[str]:
