@@ -26,7 +26,7 @@ import torch
 from ds_cluster.data.dataset import IGNORE_INDEX, dataset_fingerprint
 from ds_cluster.collectives import LOCAL, Collectives
 from ds_cluster.features.adapters import Adapters, adapter_rows, loss_gradient_at_hidden
-from ds_cluster.features.batches import _batches_of, _collate, sample_lengths
+from ds_cluster.features.batches import Batch, _batches_of, _collate, deal_batches, sample_lengths, shard_completion_steps
 from ds_cluster.features.kinds import FeatureKind, feature_kind
 from ds_cluster.features.model_info import find_output_layer, model_fingerprint, output_layer_shape, unwrap_model
 from ds_cluster.features.projection import KroneckerProjection
@@ -52,6 +52,9 @@ class ExtractionResult:
     timings: dict[str, float] = field(default_factory=dict)
     manifest: Optional[StoreManifest] = None
     rows: Optional[np.ndarray] = None  # sharded results: the global indices of `features`' rows
+    # What each rank computed in this call (the even split: batches within one of each other).
+    samples_per_rank: list[int] = field(default_factory=list)
+    batches_per_rank: list[int] = field(default_factory=list)
 
     @property
     def num_empty(self) -> int:
@@ -203,7 +206,7 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
 
     Collective: call on every rank with the same arguments. `chunk_size` response positions share one softmax
     over the vocabulary (the bound on extra memory). `on_shard_done(shard)` is called after each shard this
-    rank finished (tests crash there). `sharded`: every rank keeps only its own store shards (s mod W).
+    rank joined and wrote (tests crash there). `sharded`: every rank keeps only its own store shards (s mod W).
     `collectives`: this rank among the ranks sharing the work (`LOCAL`, or `distributed.collectives()`).
     `fingerprint`: the dataset's, when the caller has it. `pad_to_longest`: batches of similar length padded
     to their longest row (default); False: full width in index order (before 0.4.0, for measuring).
@@ -235,8 +238,8 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
         return (normalize_rows(rows) if normalize else rows), empty
 
     with adapters if adapters is not None else contextlib.nullcontext():  # the adapters' hooks, for this pass
-        computed = _compute_shards(model, layer, dataset, manifest, pending, batch_size, rows_of, feature_store,
-                                   show_progress, on_shard_done, collectives, pad_to_longest)
+        computed, shares = _compute_shards(model, layer, dataset, manifest, pending, batch_size, rows_of,
+                                           feature_store, show_progress, on_shard_done, collectives, pad_to_longest)
     rows = None
     if sharded:
         collectives.barrier()  # every rank has written its shards
@@ -251,7 +254,13 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
                             computed_shards=computed_shards,
                             reused_shards=sorted(set(range(manifest.num_shards)) - set(pending)),
                             seconds=time.perf_counter() - started, timings=timings,
-                            manifest=manifest if feature_store is not None else None, rows=rows)
+                            manifest=manifest if feature_store is not None else None, rows=rows, **_work_of(shares))
+
+
+def _work_of(shares: list[list[Batch]]) -> dict[str, list[int]]:
+    """The samples and batches each rank computed, for the result."""
+    return {"samples_per_rank": [sum(len(indices) for _, indices in share) for share in shares],
+            "batches_per_rank": [len(share) for share in shares]}
 
 
 def _check_arguments(dataset: Sequence[dict], batch_size: int, shard_size: int, sharded: bool, store: Any) -> None:
@@ -282,20 +291,25 @@ def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Seq
                     manifest: StoreManifest, pending: list[int], batch_size: int, rows_of: Callable,
                     feature_store: Optional[FeatureStore], show_progress: bool,
                     on_shard_done: Optional[Callable[[int], None]], collectives: Collectives, trim: bool
-                    ) -> dict[int, tuple[np.ndarray, list[int]]]:
-    """This rank's share of the pending shards, written to the store as each one completes. Long because the
-    lockstep loop, the per-shard bookkeeping and the store writes are one sequence."""
+                    ) -> tuple[dict[int, tuple[np.ndarray, list[int]]], list[list[Batch]]]:
+    """This rank's share of the pending shards' batches; each shard, once its batches are done on every rank,
+    joined and written to the store by one rank (shard mod W). Returns the shards this rank joined and every
+    rank's share. Long because the lockstep loop and the per-shard bookkeeping are one sequence."""
     rank, world_size = collectives.rank, collectives.world_size
     run_id = collectives.gather(uuid.uuid4().hex)[0]
-    # Shards are dealt round-robin; every rank runs as many forwards as the busiest one.
+    # The batches of every pending shard, dealt evenly over the ranks (whatever the number of samples and
+    # shards); every rank runs as many forwards as the busiest one, which has at most one batch more.
     lengths = sample_lengths(dataset) if trim else None
-    shares = [_batches_of(pending[r::world_size], manifest.shard_bounds, batch_size, lengths)
-              for r in range(world_size)]
+    shares = deal_batches(_batches_of(pending, manifest.shard_bounds, batch_size, lengths), world_size)
     mine = shares[rank]
-    batches_left = {shard: sum(1 for s, _ in mine if s == shard) for shard, _ in mine}
+    completing = shard_completion_steps(shares)
+    first_step = {}  # shard -> the first step any rank spends on it
+    for share in shares:
+        for step, (shard, _) in enumerate(share):
+            first_step[shard] = min(step, first_step.get(shard, step))
     dummy = _collate(dataset, [0], trim)
     computed: dict[int, tuple[np.ndarray, list[int]]] = {}
-    partial: dict[int, list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]] = {}
+    pieces: dict[int, list[_Piece]] = {}  # this rank's rows of the shards not finished yet
     shard_started: dict[int, float] = {}
     progress = _progress_bar(sum(len(indices) for _, indices in mine), show_progress and rank == 0,
                              manifest.kind)
@@ -305,28 +319,42 @@ def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Seq
     try:
         with torch.no_grad():
             for step in range(max(len(share) for share in shares)):
+                now = time.perf_counter()
+                shard_started.update({shard: now for shard, first in first_step.items() if first == step})
                 if step >= len(mine):
                     rows_of(dummy, capture)  # lockstep only; result discarded
-                    continue
-                shard, indices = mine[step]
-                shard_started.setdefault(shard, time.perf_counter())
-                rows, empty = rows_of(_collate(dataset, indices, trim), capture)
-                partial.setdefault(shard, []).append((indices, rows.cpu(), empty.cpu()))
-                progress.update(len(indices))
-                batches_left[shard] -= 1
-                if batches_left[shard] == 0:
-                    rows_np, empty_idx = _join(partial.pop(shard))
-                    if feature_store is not None:
-                        feature_store.write_shard(manifest, shard, rows_np, empty_idx, rank, run_id,
-                                                  time.perf_counter() - shard_started[shard])
-                    computed[shard] = (rows_np, empty_idx)
-                    if on_shard_done is not None:
-                        on_shard_done(shard)
+                else:
+                    shard, indices = mine[step]
+                    rows, empty = rows_of(_collate(dataset, indices, trim), capture)
+                    pieces.setdefault(shard, []).append((indices, rows.cpu().numpy(), empty.cpu().numpy()))
+                    progress.update(len(indices))
+                if step in completing:
+                    joined = _join_finished(completing[step], pieces, collectives)
+                    for shard, (rows_np, empty_idx) in joined.items():
+                        if feature_store is not None:
+                            feature_store.write_shard(manifest, shard, rows_np, empty_idx, rank, run_id,
+                                                      time.perf_counter() - shard_started[shard])
+                        computed[shard] = (rows_np, empty_idx)
+                        if on_shard_done is not None:
+                            on_shard_done(shard)
     finally:
         capture.close()
         model.train(was_training)
         progress.close()
-    return computed
+    return computed, shares
+
+
+# This rank's rows of one batch: (sample indices, rows (n, d) float32, empty flags (n,)).
+_Piece = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _join_finished(shards: list[int], pieces: dict[int, list[_Piece]], collectives: Collectives
+                   ) -> dict[int, tuple[np.ndarray, list[int]]]:
+    """Collective: every rank's pieces of the `shards` just finished; returns, of those shards, the ones this rank
+    writes (shard mod W), joined in index order. The pieces leave `pieces`."""
+    everyone = collectives.gather({shard: pieces.pop(shard, []) for shard in shards})
+    return {shard: _join([piece for part in everyone for piece in part[shard]]) for shard in shards
+            if shard % collectives.world_size == collectives.rank}
 
 
 def _assemble(manifest: StoreManifest, feature_store: Optional[FeatureStore],
@@ -355,10 +383,11 @@ def extract_features(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Op
                           normalize=normalize, show_progress=show_progress, **options).features
 
 
-def _join(parts: list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, list[int]]:
-    """A shard's rows in index order from its batches (which come in order of length), and its empty samples."""
+def _join(parts: list[_Piece]) -> tuple[np.ndarray, list[int]]:
+    """A shard's rows in index order from its batches (which come in order of length, from any rank), and its
+    empty samples."""
     indices = np.concatenate([part[0] for part in parts])
-    rows = torch.cat([part[1] for part in parts]).numpy().astype(np.float32, copy=False)[np.argsort(indices)]
+    rows = np.concatenate([part[1] for part in parts]).astype(np.float32, copy=False)[np.argsort(indices)]
     empty = sorted(int(index) for indices_, _, flags in parts for index, flag in zip(indices_, flags.tolist())
                    if flag)
     return rows, empty
