@@ -26,6 +26,7 @@ from ds_cluster.data.dataset import dataset_fingerprint, records_source
 from ds_cluster.features.extract import ExtractionResult, run_extraction
 from ds_cluster.features.kinds import feature_kind
 from ds_cluster.features.store import DEFAULT_SHARD_SIZE
+from ds_cluster.phases import phase
 from ds_cluster.settings import ClusteringSettings, FeatureSettings, stages_of
 
 logger = logging.getLogger(__name__)
@@ -63,26 +64,28 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
     store_path = Path(store_dir) if store_dir is not None else folder.store_path()
     target = dataset if analysis_of is None else analysis_of
     target_fingerprint = analysis_of_fingerprint or dataset_fingerprint(target)
-    extraction = run_extraction(engine, dataset, kind=kind, dim=dim, batch_size=batch_size, store=store_path,
-                                seed=features.seed, normalize=features.normalize,
-                                show_progress=show_progress, shard_size=shard_size, overwrite=recompute,
-                                sharded=features.sharded, collectives=collectives,
-                                fingerprint=target_fingerprint if target is dataset else None)
+    with phase(f"features {kind}"):
+        extraction = run_extraction(engine, dataset, kind=kind, dim=dim, batch_size=batch_size, store=store_path,
+                                    seed=features.seed, normalize=features.normalize,
+                                    show_progress=show_progress, shard_size=shard_size, overwrite=recompute,
+                                    sharded=features.sharded, collectives=collectives,
+                                    fingerprint=target_fingerprint if target is dataset else None)
     extracted = time.perf_counter()
     gc.collect()
-    clusters = _sharded_clusters(extraction, clustering, collectives) if clustering.sharded else None
-    # The training config's stage when the caller names it (a forward-only engine runs 1 and 2 as 0).
-    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
-    # Rank 0's forward and feature seconds beside the whole extraction's.
-    timings = {"extract": extracted - started, **{f"extract_{part}": s for part, s in extraction.timings.items()}}
-    # Rank 0 clusters and writes; the agreement is also the barrier: the folder is written when it completes.
-    collectives.run_agreed(
-        "clustering and writing the analysis",
-        lambda: _cluster_and_write(folder, extraction, target, target_fingerprint, features, clustering, world_size,
-                                   store_path,
-                                   timings=timings, started=started,
-                                   provenance={"zero_stage": stage, **(provenance or {})}, clusters=clusters),
-        only_rank=0, errors=(ValueError, OSError, RuntimeError))
+    with phase("k-means"):  # and rank 0 writing the folder
+        clusters = _sharded_clusters(extraction, clustering, collectives) if clustering.sharded else None
+        # The training config's stage when the caller names it (a forward-only engine runs 1 and 2 as 0).
+        stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
+        # Rank 0's forward and feature seconds beside the whole extraction's.
+        timings = {"extract": extracted - started,
+                   **{f"extract_{part}": s for part, s in extraction.timings.items()}}
+        # Rank 0 clusters and writes; the agreement is also the barrier: the folder is written when it completes.
+        collectives.run_agreed(
+            "clustering and writing the analysis",
+            lambda: _cluster_and_write(folder, extraction, target, target_fingerprint, features, clustering,
+                                       world_size, store_path, timings=timings, started=started,
+                                       provenance={"zero_stage": stage, **(provenance or {})}, clusters=clusters),
+            only_rank=0, errors=(ValueError, OSError, RuntimeError))
     summary = folder.summary()
     assert summary is not None
     return summary

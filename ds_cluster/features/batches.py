@@ -8,6 +8,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from ds_cluster.collectives import Collectives
 from ds_cluster.data.dataset import trim_padding
 
 
@@ -83,3 +84,32 @@ def shard_completion_steps(shares: Sequence[Sequence[Batch]]) -> dict[int, list[
     for shard, step in sorted(last_step.items()):
         completing.setdefault(step, []).append(shard)
     return completing
+
+
+def work_per_rank(shares: list[list[Batch]]) -> dict[str, list[int]]:
+    """The samples and batches each rank computed, for the result."""
+    return {"samples_per_rank": [sum(len(indices) for _, indices in share) for share in shares],
+            "batches_per_rank": [len(share) for share in shares]}
+
+
+# This rank's rows of one batch: (sample indices, rows (n, d) float32, empty flags (n,)).
+Piece = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def join_finished(shards: list[int], pieces: dict[int, list[Piece]], collectives: Collectives
+                   ) -> dict[int, tuple[np.ndarray, list[int]]]:
+    """Collective: every rank's pieces of the `shards` just finished; returns, of those shards, the ones this rank
+    writes (shard mod W), joined in index order. The pieces leave `pieces`."""
+    everyone = collectives.gather({shard: pieces.pop(shard, []) for shard in shards})
+    return {shard: _join([piece for part in everyone for piece in part[shard]]) for shard in shards
+            if shard % collectives.world_size == collectives.rank}
+
+
+def _join(parts: list[Piece]) -> tuple[np.ndarray, list[int]]:
+    """A shard's rows in index order from its batches (which come in order of length, from any rank), and its
+    empty samples."""
+    indices = np.concatenate([part[0] for part in parts])
+    rows = np.concatenate([part[1] for part in parts]).astype(np.float32, copy=False)[np.argsort(indices)]
+    empty = sorted(int(index) for indices_, _, flags in parts for index, flag in zip(indices_, flags.tolist())
+                   if flag)
+    return rows, empty

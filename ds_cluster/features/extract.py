@@ -26,12 +26,15 @@ import torch
 from ds_cluster.data.dataset import IGNORE_INDEX, dataset_fingerprint
 from ds_cluster.collectives import LOCAL, Collectives
 from ds_cluster.features.adapters import Adapters, adapter_rows, loss_gradient_at_hidden
-from ds_cluster.features.batches import Batch, _batches_of, _collate, deal_batches, sample_lengths, shard_completion_steps
+from ds_cluster.features.batches import (Batch, Piece, _batches_of, _collate, deal_batches, join_finished,
+                                         sample_lengths, shard_completion_steps, work_per_rank)
 from ds_cluster.features.kinds import FeatureKind, feature_kind
 from ds_cluster.features.model_info import find_output_layer, model_fingerprint, output_layer_shape, unwrap_model
+from ds_cluster.features.output_matrix import OutputMatrix
 from ds_cluster.features.projection import KroneckerProjection
-from ds_cluster.features.store import (BATCHING_BY_LENGTH, BATCHING_FULL_WIDTH, DEFAULT_SHARD_SIZE, FeatureStore,
-                                      StoreManifest)
+from ds_cluster.features.store import (ADAPTER_GAUSSIAN, ADAPTER_SKETCH, BATCHING_BY_LENGTH, BATCHING_FULL_WIDTH,
+                                      DEFAULT_SHARD_SIZE, FeatureStore, StoreManifest)
+from ds_cluster.phases import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -156,22 +159,36 @@ def _batch_rows(engine: Any, model: torch.nn.Module, layer: torch.nn.Module, cap
     hidden = capture.value
     forwarded = time.perf_counter()
     with _full_weight(layer) as (weight, bias):
-        # The logits of the response positions in float32, whatever the engine's precision: the softmax of a
-        # large vocabulary is where bf16 would lose the most.
-        weight32, bias32 = weight.float(), None if bias is None else bias.float()
+        # The logits of the response positions in float32, whatever the engine's precision, never a float32 copy
+        # of the whole matrix (output_matrix.py).
+        output = OutputMatrix(weight, bias)
         if adapters is not None:
-            hidden_gradient, counts = loss_gradient_at_hidden(hidden, batch["labels"], weight32, bias32, chunk_size)
+            hidden_gradient, counts = loss_gradient_at_hidden(hidden, batch["labels"], output, chunk_size)
         else:
             def logits_at(samples: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-                return torch.nn.functional.linear(hidden[samples, positions].float(), weight32, bias32)
+                return output.logits(hidden[samples, positions])
 
             rows = batch_features(hidden, batch["labels"], logits_at, kind, projection, chunk_size)
     if adapters is not None:  # the backward runs outside the gather: ZeRO-3's own hooks gather what it needs
         with torch.enable_grad():
             rows = adapter_rows(hidden, hidden_gradient, adapters.capture, adapters.projections), counts == 0
+        del hidden, hidden_gradient
+        _release_gathered(engine)
+    # The batch's temporaries (gathers, logits, a backward) go back to the system before the next batch: glibc
+    # would keep them, and the pass's footprint would grow by what fragments.
+    release_freed_memory(collect=False)
     timings["forward"] = timings.get("forward", 0.0) + forwarded - started
     timings["features"] = timings.get("features", 0.0) + time.perf_counter() - forwarded
     return rows
+
+
+def _release_gathered(engine: Any) -> None:
+    """Under ZeRO-3, give back every parameter the engine still holds gathered. The lora kind's backward stops at the
+    first adapter, so the modules below it never run the post-backward hook that would release what their backward
+    gathered: without this, most of the model stays gathered after each batch, and into training."""
+    optimizer = getattr(engine, "optimizer", None)
+    if hasattr(optimizer, "empty_partition_cache"):
+        optimizer.empty_partition_cache()
 
 
 def _device_of(engine: Any, model: torch.nn.Module) -> torch.device:
@@ -220,14 +237,14 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
     dim = kind_object.resolve_dim(dim, vocab, hidden)
     projection = kind_object.projection(dim, vocab, hidden, seed)
     projection = projection.to(_device_of(engine, model)) if projection is not None else None
-    adapters = (Adapters.of(model, dim, seed, _device_of(engine, model)) if kind_object.adapter_gradients
-                else None)
+    adapters = Adapters.of(model, dim, seed, _device_of(engine, model)) if kind_object.adapter_gradients else None
     feature_store = FeatureStore(store) if isinstance(store, (str, Path)) else store
     fingerprint = (fingerprint or dataset_fingerprint(dataset)) if feature_store else ""
     manifest = StoreManifest(kind=kind, dim=dim, seed=seed, normalize=normalize,
                              model_fingerprint=model_fingerprint(engine, collectives) if feature_store else "",
                              dataset_fingerprint=fingerprint, num_samples=len(dataset), shard_size=shard_size,
-                             batching=BATCHING_BY_LENGTH if pad_to_longest else BATCHING_FULL_WIDTH)
+                             batching=BATCHING_BY_LENGTH if pad_to_longest else BATCHING_FULL_WIDTH,
+                             adapter_projection=ADAPTER_SKETCH if kind_object.adapter_gradients else ADAPTER_GAUSSIAN)
     pending = (_prepare_store(feature_store, manifest, overwrite, collectives) if feature_store is not None
                else list(range(manifest.num_shards)))
     timings: dict[str, float] = {}
@@ -254,13 +271,7 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
                             computed_shards=computed_shards,
                             reused_shards=sorted(set(range(manifest.num_shards)) - set(pending)),
                             seconds=time.perf_counter() - started, timings=timings,
-                            manifest=manifest if feature_store is not None else None, rows=rows, **_work_of(shares))
-
-
-def _work_of(shares: list[list[Batch]]) -> dict[str, list[int]]:
-    """The samples and batches each rank computed, for the result."""
-    return {"samples_per_rank": [sum(len(indices) for _, indices in share) for share in shares],
-            "batches_per_rank": [len(share) for share in shares]}
+                            manifest=manifest if feature_store is not None else None, rows=rows, **work_per_rank(shares))
 
 
 def _check_arguments(dataset: Sequence[dict], batch_size: int, shard_size: int, sharded: bool, store: Any) -> None:
@@ -309,7 +320,7 @@ def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Seq
             first_step[shard] = min(step, first_step.get(shard, step))
     dummy = _collate(dataset, [0], trim)
     computed: dict[int, tuple[np.ndarray, list[int]]] = {}
-    pieces: dict[int, list[_Piece]] = {}  # this rank's rows of the shards not finished yet
+    pieces: dict[int, list[Piece]] = {}  # this rank's rows of the shards not finished yet
     shard_started: dict[int, float] = {}
     progress = _progress_bar(sum(len(indices) for _, indices in mine), show_progress and rank == 0,
                              manifest.kind)
@@ -329,7 +340,7 @@ def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Seq
                     pieces.setdefault(shard, []).append((indices, rows.cpu().numpy(), empty.cpu().numpy()))
                     progress.update(len(indices))
                 if step in completing:
-                    joined = _join_finished(completing[step], pieces, collectives)
+                    joined = join_finished(completing[step], pieces, collectives)
                     for shard, (rows_np, empty_idx) in joined.items():
                         if feature_store is not None:
                             feature_store.write_shard(manifest, shard, rows_np, empty_idx, rank, run_id,
@@ -342,19 +353,6 @@ def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Seq
         model.train(was_training)
         progress.close()
     return computed, shares
-
-
-# This rank's rows of one batch: (sample indices, rows (n, d) float32, empty flags (n,)).
-_Piece = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
-def _join_finished(shards: list[int], pieces: dict[int, list[_Piece]], collectives: Collectives
-                   ) -> dict[int, tuple[np.ndarray, list[int]]]:
-    """Collective: every rank's pieces of the `shards` just finished; returns, of those shards, the ones this rank
-    writes (shard mod W), joined in index order. The pieces leave `pieces`."""
-    everyone = collectives.gather({shard: pieces.pop(shard, []) for shard in shards})
-    return {shard: _join([piece for part in everyone for piece in part[shard]]) for shard in shards
-            if shard % collectives.world_size == collectives.rank}
 
 
 def _assemble(manifest: StoreManifest, feature_store: Optional[FeatureStore],
@@ -381,16 +379,6 @@ def extract_features(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Op
     """Per-sample features (N, d) float32, identical on every rank; see run_extraction for the options."""
     return run_extraction(engine, dataset, kind=kind, dim=dim, batch_size=batch_size, store=store, seed=seed,
                           normalize=normalize, show_progress=show_progress, **options).features
-
-
-def _join(parts: list[_Piece]) -> tuple[np.ndarray, list[int]]:
-    """A shard's rows in index order from its batches (which come in order of length, from any rank), and its
-    empty samples."""
-    indices = np.concatenate([part[0] for part in parts])
-    rows = np.concatenate([part[1] for part in parts]).astype(np.float32, copy=False)[np.argsort(indices)]
-    empty = sorted(int(index) for indices_, _, flags in parts for index, flag in zip(indices_, flags.tolist())
-                   if flag)
-    return rows, empty
 
 
 def _progress_bar(total: int, enabled: bool, kind: str) -> Any:

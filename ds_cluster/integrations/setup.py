@@ -42,6 +42,7 @@ from ds_cluster.features.source import feature_source
 from ds_cluster.loader.adaptive import AdaptiveSchedule
 from ds_cluster.loader.sampler import ClusterDataLoader
 from ds_cluster.loader.schedule import Schedule, StaticSchedule
+from ds_cluster.phases import phase
 from ds_cluster.planning.plan import Plan, build_plan
 
 logger = logging.getLogger(__name__)
@@ -175,14 +176,15 @@ class ClusterSetup:
         inputs, timings = self._inputs, {}
         if inputs is None:
             inputs, timings = self.analyze_in_job(adapter)
-        plan = self.agreed_plan(adapter.shape, inputs)
-        dataset = self.training_data if adapter.loader_dataset is None else adapter.loader_dataset
-        rank = adapter.data_parallel.rank
-        schedule: Schedule = (AdaptiveSchedule(plan, rank, self.stages.schedule, collectives=adapter.data_parallel,
-                                               probe_losses=adapter.probe_losses)
-                              if self.stages.schedule.adaptive else StaticSchedule(plan, rank))
-        loader = ClusterDataLoader(dataset, plan, rank, schedule=schedule, loss=self.stages.loss,
-                                   collectives=adapter.data_parallel, collate_fn=adapter.collate_fn)
+        with phase("plan"):  # and the loader
+            plan = self.agreed_plan(adapter.shape, inputs)
+            dataset = self.training_data if adapter.loader_dataset is None else adapter.loader_dataset
+            rank = adapter.data_parallel.rank
+            schedule: Schedule = (AdaptiveSchedule(plan, rank, self.stages.schedule,
+                                                   collectives=adapter.data_parallel, probe_losses=adapter.probe_losses)
+                                  if self.stages.schedule.adaptive else StaticSchedule(plan, rank))
+            loader = ClusterDataLoader(dataset, plan, rank, schedule=schedule, loss=self.stages.loss,
+                                       collectives=adapter.data_parallel, collate_fn=adapter.collate_fn)
         loader.analysis_timings = timings
         return loader
 
