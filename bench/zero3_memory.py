@@ -243,12 +243,14 @@ def train_and_resume(engine: Any, loader: Any, dataset: Any, memory: Any, block:
 
 class TrainSteps:
     """Optimizer steps from the cluster loader with the weighted loss (the block), or from DeepSpeed's own loader with
-    the model's own loss (without it); `last_indices`: the samples of the last step (the cluster loader's)."""
+    the plain token-mean loss (without it); `last_indices`: the samples of the last step (the cluster loader's);
+    `last_parts`: the last step's seconds waiting for the loader and computing the loss, the only parts that differ."""
 
     def __init__(self, engine: Any, loader: Any, dataset: Any, block: bool) -> None:
         self.engine, self.loader, self.block = engine, loader, block
         self.batches = iter(loader)
         self.last_indices: list[int] = []
+        self.last_parts: dict[str, float] = {}
 
     def restart(self) -> None:
         self.batches = iter(self.loader)  # after a resume the cluster loader starts where the checkpoint was
@@ -260,16 +262,28 @@ class TrainSteps:
             batch = next(self.batches)
         return batch
 
-    def step(self) -> float:
+    def _loss(self, outputs: Any, batch: dict[str, Any]) -> Any:
+        import torch
+
         from ds_cluster.loader.loss import weighted_causal_lm_loss
 
+        if self.block:
+            return weighted_causal_lm_loss(outputs, batch)
+        logits = outputs.logits[:, :-1].float()  # the model's own loss, computed here to be timed alike
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                                                 ignore_index=-100)
+
+    def step(self) -> float:
         started = time.perf_counter()
-        self.last_indices = []
+        self.last_indices, self.last_parts = [], {"loader": 0.0, "loss": 0.0}
         for _ in range(self.engine.gradient_accumulation_steps()):
+            waiting = time.perf_counter()
             batch = self._next()
-            outputs = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                  labels=None if self.block else batch["labels"])
-            loss = weighted_causal_lm_loss(outputs, batch) if self.block else outputs.loss
+            self.last_parts["loader"] += time.perf_counter() - waiting
+            outputs = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            computing = time.perf_counter()
+            loss = self._loss(outputs, batch)
+            self.last_parts["loss"] += time.perf_counter() - computing
             self.engine.backward(loss)
             self.engine.step()
             if "sample_index" in batch:
@@ -277,19 +291,21 @@ class TrainSteps:
         return time.perf_counter() - started
 
 
-def paired_steps(engine: Any, loader: Any, dataset: Any, memory: Any) -> dict[str, list[float]]:
+def paired_steps(engine: Any, loader: Any, dataset: Any, memory: Any) -> dict[str, list[Any]]:
     """Alternating optimizer steps on one engine: the cluster loader and weighted loss, then DeepSpeed's own loader
-    and the model's loss; seconds of each, side by side in one run."""
+    and the plain loss; seconds of each, and of their loader and loss parts, side by side in one run."""
     from ds_cluster.data.dataset import trim_padding_collate
 
     plain_loader = engine.deepspeed_io(dataset, batch_size=MICRO, collate_fn=trim_padding_collate)
     cluster, plain = TrainSteps(engine, loader, dataset, True), TrainSteps(engine, plain_loader, dataset, False)
-    seconds: dict[str, list[float]] = {"block": [], "plain": []}
+    seconds: dict[str, list[Any]] = {"block": [], "plain": [], "block_parts": [], "plain_parts": []}
     for _ in range(PAIRS):
         with memory.phase("train paired, block"):
             seconds["block"].append(cluster.step())
+        seconds["block_parts"].append(cluster.last_parts)
         with memory.phase("train paired, plain"):
             seconds["plain"].append(plain.step())
+        seconds["plain_parts"].append(plain.last_parts)
     return seconds
 
 
@@ -515,9 +531,16 @@ def markdown(results: dict[str, Any], command: str) -> str:
         paired = job["ranks"][0].get("paired_steps")
         if paired:
             ratio = median(paired["block"]) / median(paired["plain"])
+            added = [sum(block.values()) - sum(plain.values())
+                     for block, plain in zip(paired.get("block_parts", []), paired.get("plain_parts", []))]
             lines += ["", f"Step time side by side in this run (alternating steps on one engine, rank 0): cluster "
                           f"loader {', '.join(f'{s:.1f}' for s in paired['block'])} s, DeepSpeed's own loader "
-                          f"{', '.join(f'{s:.1f}' for s in paired['plain'])} s; median ratio {ratio:.3f}."]
+                          f"{', '.join(f'{s:.1f}' for s in paired['plain'])} s; median ratio {ratio:.3f} (the "
+                          "machine's other jobs move whole steps by more than this)."]
+            if added:
+                share = median(added) / median(paired["plain"])
+                lines += [f"What differs between the two (waiting for the loader, computing the loss): "
+                          f"{median(added) * 1e3:+.1f} ms a step with the block, {100 * share:+.3f}% of a step."]
         features = job["ranks"][0].get("features", {})
         if features:
             lines += ["", "Features pass, samples per rank: " + "; ".join(
