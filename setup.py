@@ -47,7 +47,8 @@ setup(
         "faiss": ["faiss-cpu>=1.8"],
         # mpirun discovery; needs an MPI library to build.
         "mpi": ["mpi4py>=3.1"],
-        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
+        # The test command's: pytest, and the linter it runs first (ruff.toml).
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "ruff>=0.17,<0.18"],
     },
     entry_points={"console_scripts": ["ds-cluster=ds_cluster.cli:main"]},
 )

@@ -36,7 +36,7 @@ def main() -> int:
     from sklearn.metrics import adjusted_rand_score
 
     from ds_cluster import distributed
-    from ds_cluster.analysis.compute import analyze
+    from ds_cluster.analysis.compute import AnalysisOptions, analyze
     from ds_cluster.ds_config import forward_only_config
     from ds_cluster.features.source import forward_only_engine
     from ds_cluster.config import ClusterSamplingConfig
@@ -59,7 +59,8 @@ def main() -> int:
                                                         "capacity_factor": None, "seed": seed})
             started = time.perf_counter()
             out = args.work_dir / f"{precision}_s{seed}"
-            summary = analyze(engine, dataset, out, settings, batch_size=16, show_progress=False)
+            summary = analyze(engine, dataset, out, settings, AnalysisOptions(batch_size=16, show_progress=False),
+                              distributed.collectives()).summary
             rows.append({"precision": precision, "seed": seed, "purity": summary["purity"], "path": str(out),
                          "seconds": time.perf_counter() - started})
         del engine, model

@@ -47,8 +47,8 @@ def one_case(kind: str, chunk: int, out: Path) -> None:
     sample = {"input_ids": input_ids, "attention_mask": torch.ones(length, dtype=torch.int64), "labels": labels}
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     started = time.perf_counter()
-    result = run_extraction(model, [sample], kind=kind, dim=1024 if feature_kind(kind).projected else None, batch_size=1,
-                            chunk_size=chunk, show_progress=False)
+    result = run_extraction(model, [sample], kind=kind, dim=1024 if feature_kind(kind).projected else None,
+                            batch_size=1, chunk_size=chunk, show_progress=False)
     seconds = time.perf_counter() - started
     np.save(out / f"{kind}_{chunk}.npy", result.features)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -89,7 +89,7 @@ def main() -> int:
     out.with_suffix(".json").write_text(json.dumps({"vocab": VOCAB, "answer_tokens": ANSWER, "hidden": HIDDEN,
                                                     "cases": rows}, indent=2) + "\n")
     lines = [f"# Extraction memory: vocabulary {VOCAB:,}, one answer of {ANSWER:,} tokens, hidden {HIDDEN}", "",
-             f"`python bench/extraction_memory.py`; one process per case, peak resident memory (getrusage).", "",
+             "`python bench/extraction_memory.py`; one process per case, peak resident memory (getrusage).", "",
              "| kind | chunk (positions per softmax) | peak MB | seconds | max abs difference to unchunked |",
              "|---|---|---|---|---|"]
     lines += [f"| {r['kind']} | {r['chunk']}{' (unchunked)' if r['chunk'] == ANSWER else ''} | {r['peak_mb']:.0f} | "

@@ -47,7 +47,8 @@ BATCH = 8
 DIM = 1024
 LORA_RANK = 8
 TRAIN_STEPS = 6
-MODELS = {"stories260K": (STORIES260K_DIR, 160), "SmolLM2-135M-Instruct": (REPO / ".cache" / "smollm2-135m-instruct", 136)}
+MODELS = {"stories260K": (STORIES260K_DIR, 160),
+          "SmolLM2-135M-Instruct": (REPO / ".cache" / "smollm2-135m-instruct", 136)}
 
 
 def length_batches(dataset: InstructionDataset, trim: bool) -> list[dict[str, torch.Tensor]]:
@@ -163,9 +164,11 @@ def markdown(rows: list[dict], command: str, skipped: list[str]) -> str:
         lines += [f"## {row['model']}: {row['records']} T0 records, max length {row['max_length']}", "",
                   f"{row['real_tokens']} real tokens; padded to each batch's longest row (sorted by length): "
                   f"{row['padded_tokens']} ({row['padded_tokens'] / row['real_tokens']:.2f}x); at full width "
-                  f"{row['records'] * row['max_length']} ({row['records'] * row['max_length'] / row['real_tokens']:.2f}x).", "",
+                  f"{row['records'] * row['max_length']} "
+                  f"({row['records'] * row['max_length'] / row['real_tokens']:.2f}x).", "",
                   "| pass | seconds | forward | feature math | / plain bf16 forward |", "|---|---|---|---|---|",
-                  f"| plain forward, fp32, padded | {row['forward_fp32_s']:.2f} | | | {row['forward_fp32_s'] / row['forward_bf16_s']:.2f} |",
+                  f"| plain forward, fp32, padded | {row['forward_fp32_s']:.2f} | | | "
+                  f"{row['forward_fp32_s'] / row['forward_bf16_s']:.2f} |",
                   f"| plain forward, bf16, padded | {row['forward_bf16_s']:.2f} | | | 1.00 |"]
         for label, title in (("full_width_fp32", "features, fp32, full width (0.3.0)"),
                              ("padded_fp32", "features, fp32, padded to the longest row"),
@@ -190,7 +193,8 @@ def markdown(rows: list[dict], command: str, skipped: list[str]) -> str:
                   f"{row['train_lora_padded_bf16_autocast_tok_s']:.0f} | "
                   f"{row['train_lora_padded_bf16_autocast_tok_s'] / row['train_padded_bf16_autocast_tok_s']:.2f} |",
                   "",
-                  f"Features padded against full width: max absolute difference {row['padded_vs_full_max_abs_diff']:.2e}, "
+                  "Features padded against full width: max absolute difference "
+                  f"{row['padded_vs_full_max_abs_diff']:.2e}, "
                   f"k-means labels (K = 8) identical: {row['padded_vs_full_kmeans_identical']}. bf16 against fp32: "
                   f"smallest cosine of a row {row['bf16_vs_fp32_min_cosine']:.4f}, k-means labels identical: "
                   f"{row['bf16_vs_fp32_kmeans_identical']}.", ""]
@@ -215,7 +219,8 @@ def main() -> None:
             continue
         rows.append(measure(name, folder, max_length, records))
         print(json.dumps(rows[-1], indent=1), flush=True)
-    command = "OMP_NUM_THREADS=1 python bench/feature_cost.py" + (f" --records {args.records}" if args.records != 256 else "")
+    command = ("OMP_NUM_THREADS=1 python bench/feature_cost.py"
+               + (f" --records {args.records}" if args.records != 256 else ""))
     Path(args.out).with_suffix(".json").write_text(json.dumps({"rows": rows, "skipped": skipped}, indent=1))
     Path(args.out).with_suffix(".md").write_text(markdown(rows, command, skipped))
 

@@ -30,7 +30,8 @@ sys.path.insert(0, str(REPO))
 GOAL_RATIO = 0.4
 
 
-def _train_epoch(engine, dataset, batch_size: int, rank: int, world_size: int, limit: int | None = None) -> tuple[float, int]:
+def _train_epoch(engine, dataset, batch_size: int, rank: int, world_size: int,
+                 limit: int | None = None) -> tuple[float, int]:
     """Seconds and samples of one epoch over this rank's interleaved share (every rank runs the same step count)."""
     import torch
 
@@ -147,7 +148,8 @@ def _markdown(report: dict) -> str:
         f"{report['machine']['torch_threads_per_rank']} torch thread(s) per rank; torch {report['machine']['torch']}, "
         f"deepspeed {report['machine']['deepspeed']}.",
         f"Model `{setup['model']}` ({setup['parameters']:,} parameters), {setup['samples']} samples of "
-        f"{setup['max_length']} tokens, micro batch {setup['micro_batch_per_rank']} per rank, ZeRO {setup['zero_stage']}.",
+        f"{setup['max_length']} tokens, micro batch {setup['micro_batch_per_rank']} per rank, ZeRO "
+        f"{setup['zero_stage']}.",
         "",
         f"Command: `{report['command']}`",
         "",

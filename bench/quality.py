@@ -20,6 +20,12 @@
     python bench/quality.py --base-model DIR      # another base model (a Hugging Face checkpoint folder)
     python bench/quality.py --arms random,recommended --no-ablations   # only these arms beside full data
     python bench/quality.py --equal-steps         # add random and recommended at 30% trained to full data's steps
+    python bench/quality.py --target each         # the targeted instrument: every task group alone as a target,
+                                                  # the declared pairs and transfer target, K examples each drawn
+                                                  # from validation; bench/candidates.json's "targeted" design
+    python bench/quality.py --data DIR --target sentiment,topic_classification --validation-only
+                                                  # on any mixture whose records carry task groups (family or
+                                                  # category); these groups' targets only
 
 Validation is carved from train here (VALIDATION_FRACTION of every family, at least VALIDATION_MIN,
 a fixed split seed); every choice is made on it, never on held-out. All arms run in one DeepSpeed job
@@ -137,6 +143,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--equal-steps", action="store_true",
                         help="add random and recommended at 30%% kept trained to full data's step count (each "
                              "costs a full-data run)")
+    parser.add_argument("--target", default=None, metavar="each|G1,G2,...",
+                        help="the targeted instrument: each task group alone as a target, and the declared two-group "
+                             "and transfer targets (or only these groups alone), with bench/candidates.json's declared "
+                             "\"targeted\" design (K, budget, steps, candidates); docs/targeted.md")
+    parser.add_argument("--target-k8", default="", metavar="CANDIDATE,...",
+                        help="with --target: these candidates also run with the first 8 examples of each group of the "
+                             "same draws (the K = 8 grid row, when the selection diagnostics show K = 8 selects "
+                             "otherwise)")
     parser.add_argument("--test-epochs", type=int, default=None, help=argparse.SUPPRESS)  # tests only: tiny runs
     return parser.parse_args(argv)
 
@@ -144,6 +158,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = None) -> Settings:
     """The run's settings: its instrument and recipe, then each flag's change, in this order."""
     choosing = next((flag for flag in CHOICE_LISTS if getattr(args, flag)), None)
+    if args.target and args.name == "quality":
+        args.name = "quality_targeted"  # its own work folder and results, never the default run's
     settings = _instrument(args, argv, choosing)
     if args.quick:
         settings = _quick(settings, args)
@@ -184,7 +200,34 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
                            arms=("random", "paper"), copy_probe_records=8, features_cache=None)
     if choosing:
         settings = _choosing(settings, choosing)
+    if args.target:
+        settings = _targeted(settings, args.target)
+        small = tuple(name for name in args.target_k8.split(",") if name)
+        unknown = sorted(set(small) - set(settings.targeted.candidates))  # type: ignore[union-attr]
+        if unknown:
+            raise SystemExit(f"--target-k8: {unknown} are not declared targeted candidates")
+        settings = replace(settings, targeted=replace(settings.targeted, small_k=small))
     return with_feature_models(settings)
+
+
+def _targeted(settings: Settings, spec: str) -> Settings:
+    """The targeted instrument: the declared design and candidates of bench/candidates.json's "targeted" list."""
+    from bench.harness.targeted import TargetedSettings
+    from bench.harness.targets import TARGETED_VALIDATION_FRACTION
+
+    declared = json.loads((REPO / "bench" / "candidates.json").read_text())["targeted"]
+    designs = declared["_design"]
+    design = dict(designs.get(Path(settings.data).name, designs["default"]))  # pairs and transfer name its groups
+    candidates = {name: block for name, block in declared.items() if not name.startswith("_")}
+    # "each": every group alone, the declared pairs and transfer targets; a list: those groups alone, nothing else.
+    only = () if spec == "each" else tuple(group for group in spec.split(",") if group)
+    targeted = TargetedSettings(per_group=design["per_group"], budget_fraction=design["budget_fraction"],
+                                epochs=design["epochs"],
+                                pairs=tuple(tuple(p) for p in design.get("pairs", ())) if not only else (),
+                                transfer=tuple(design.get("transfer", ())) if not only else (), only=only,
+                                candidates=candidates)
+    return replace(settings, targeted=targeted, validation_fraction=TARGETED_VALIDATION_FRACTION, features_cache=None,
+                   arms=(), skipped=(), max_length=design.get("max_length", settings.max_length))
 
 
 def _instrument(args: argparse.Namespace, argv: Optional[list[str]], choosing: Optional[str]) -> Settings:
@@ -251,7 +294,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     check_work_dir(settings)
     started = time.time()
     data = prepare_data(settings)
-    arms, analyses = build_arms(settings, data)
+    if settings.targeted is not None:
+        from bench.harness.targeted import build_targeted_arms
+
+        arms, analyses, _ = build_targeted_arms(settings, data)
+    else:
+        arms, analyses = build_arms(settings, data)
     spec_path = write_spec(settings, data, arms, analyses)
     logger.info("%s instrument: %s on %s; %d arms in one job; work folder %s", settings.instrument,
                 default_base_model(settings), settings.data, len(arms), settings.work_dir)
@@ -261,7 +309,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         if code != 0:
             logger.error("the benchmark job exited %d; see %s", code, settings.work_dir / "job.log")
             return code
-    report = write_report(settings, data, arms, validation_only=bool(settings.candidates) or settings.validation_only)
+    if settings.targeted is not None:
+        from bench.harness.targeted_report import write_targeted_report
+
+        report = write_targeted_report(settings, arms, validation_only=settings.validation_only)
+    else:
+        report = write_report(settings, data, arms,
+                              validation_only=bool(settings.candidates) or settings.validation_only)
     logger.info("%s (%.1f min)", report["markdown_path"], (time.time() - started) / 60)
     return 0
 

@@ -20,7 +20,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ds_cluster.planning.auto import AutoRule, AutoState, auto_step, fitted_curve  # noqa: E402
+from ds_cluster.planning.auto import AutoState, auto_step, fitted_curve  # noqa: E402
+from ds_cluster.settings import ScheduleSettings  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [json.loads(line) for line in args.log.read_text().splitlines() if line.strip()]
     num_clusters = len(lines[0]["train_loss"])
     for signal, patience in (("relative", 3), ("curve", 2), ("floor", 2)):
-        rule, state = AutoRule(signal=signal, patience=patience), AutoState.empty(num_clusters)
+        rule, state = ScheduleSettings(signal=signal, patience=patience), AutoState.empty(num_clusters)
         for line in lines:
             losses = np.array([np.nan if value is None else value for value in line["train_loss"]])
             state, _ = auto_step(state, losses, line["step"], rule)

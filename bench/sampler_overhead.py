@@ -64,7 +64,7 @@ def main() -> int:
     text = "\n".join([
         "# The cluster loader's overhead per step", "",
         f"`python bench/sampler_overhead.py --step-ms {args.step_ms:g}`: the shipped mixture ({len(dataset)} "
-        "samples), micro batch 8, rank 0 of 2, best of 3 x {args.epochs} epochs each.".replace("{args.epochs}", str(args.epochs)), "",
+        f"samples), micro batch 8, rank 0 of 2, best of 3 x {args.epochs} epochs each.", "",
         "| loader | ms per micro-batch |", "|---|---|",
         f"| torch DataLoader, shuffled | {plain * 1e3:.3f} |",
         f"| ds_cluster ClusterDataLoader | {cluster * 1e3:.3f} |", "",

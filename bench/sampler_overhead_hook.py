@@ -1,6 +1,7 @@
 """The sampler's overhead measured in the hook: a real 2-rank DeepSpeed job, our loader against DeepSpeed's own.
 
-    deepspeed --num_gpus 2 --master_addr 127.0.0.1 bench/sampler_overhead_hook.py    # bench/results/sampler_overhead_hook.{json,md}
+    deepspeed --num_gpus 2 --master_addr 127.0.0.1 bench/sampler_overhead_hook.py
+        # writes bench/results/sampler_overhead_hook.{json,md}
 
 One job, the shipped base model and mixture, ZeRO-2, micro batch 8, no accumulation, the same collate
 (`trim_padding_collate`) for both. Two engines train side by side, epoch about: one from
@@ -82,8 +83,9 @@ def main() -> int:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
             "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
     hooked = copy.deepcopy(base)
-    hooked["data_efficiency"] = {"enabled": True, "data_sampling": {"enabled": True, "num_workers": 0, "cluster_sampling": {
-        "enabled": True, "preset": "recommended", "budget_ratio": 1.0, "analysis_path": str(work / "analysis")}}}
+    block = {"enabled": True, "preset": "recommended", "budget_ratio": 1.0, "analysis_path": str(work / "analysis")}
+    hooked["data_efficiency"] = {"enabled": True, "data_sampling": {"enabled": True, "num_workers": 0,
+                                                                    "cluster_sampling": block}}
     engines = {}
     for name, config, initialize in (("ds_cluster", hooked, ds_cluster.initialize),
                                      ("deepspeed", base, deepspeed.initialize)):
@@ -131,7 +133,8 @@ def write_results(every: list[dict], ours: str, theirs: str, num_samples: int, r
         f"{rounds - 1} timed epochs of each loader, alternating, after one warm-up epoch each; means over "
         "every micro-batch of both ranks.", "",
         "| loader | wait for a micro-batch, ms | training step, ms |", "|---|---|---|",
-        f"| ds_cluster `{ours}` (recommended, everything kept) | {wait_ours:.3f} | {result['step_ms']['ds_cluster']:.1f} |",
+        f"| ds_cluster `{ours}` (recommended, everything kept) | {wait_ours:.3f} | "
+        f"{result['step_ms']['ds_cluster']:.1f} |",
         f"| DeepSpeed `{theirs}` | {wait_theirs:.3f} | {step_ms:.1f} |", "",
         (f"The sampler adds {overhead:.3f} ms per micro-batch: {overhead / step_ms:.2%} of a training step "
          if overhead > 0 else

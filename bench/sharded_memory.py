@@ -46,6 +46,7 @@ def main() -> int:
 
     from ds_cluster import distributed
     from ds_cluster.clustering.sharded import cluster_sharded
+    from ds_cluster.settings import ClusteringSettings
 
     distributed.init_distributed()
     rank, world = distributed.get_rank(), distributed.get_world_size()
@@ -54,8 +55,8 @@ def main() -> int:
     for num_samples in sorted(args.sizes):
         rows, points = own_rows(num_samples, rank, world)
         started = time.perf_counter()
-        result = cluster_sharded(rows, points, num_samples=num_samples, num_clusters=K, seed=0,
-                                 collectives=collectives, n_init=3, max_iter=args.max_iter)
+        settings = ClusteringSettings(num_clusters=K, seed=0, n_init=3, max_iter=args.max_iter, capacity_factor=1.5)
+        result = cluster_sharded(rows, points, num_samples, settings, collectives)
         seconds = time.perf_counter() - started
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         peaks = distributed.all_gather_object(peak_mb)

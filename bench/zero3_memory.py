@@ -456,7 +456,8 @@ def bound(phase: str, rank: int, job: dict[str, Any], tiny: dict[str, Any], plai
                 + activation_bytes(job["spec"]["model"], phase.split(" ", 1)[1]),
                 "DeepSpeed's forward + layer + activations")
     if phase in ("k-means", "plan") and plain is not None:
-        return int(peaks_by_phase(plain["ranks"][rank])["initialize"]["rss"] * 1.05), "initialize without the block + 5%"
+        reference = peaks_by_phase(plain["ranks"][rank])["initialize"]["rss"]
+        return int(reference * 1.05), "initialize without the block + 5%"
     if job["spec"]["mode"] == "trainer" and phase in ("train", "checkpoint", "resume", "save"):
         return None, "the HF Trainer's and DeepSpeed's"
     if phase == "save":
@@ -526,8 +527,8 @@ def markdown(results: dict[str, Any], command: str) -> str:
         for row in table_rows(job, results["tiny"], plain):
             verdict = "" if row["within"] is None else ("yes" if row["within"] else "**NO**")
             lines.append(f"| {row['phase']} | {row['rank']} | {gb(row['rss'])} | {gb(row['uss'])} | "
-                         f"{gb(row['plain_rss'])} | {gb(row['issue_bound'])} | {gb(row['bound'])} | {row['bound_is']} | "
-                         f"{verdict} |")
+                         f"{gb(row['plain_rss'])} | {gb(row['issue_bound'])} | {gb(row['bound'])} | "
+                         f"{row['bound_is']} | {verdict} |")
         paired = job["ranks"][0].get("paired_steps")
         if paired:
             ratio = median(paired["block"]) / median(paired["plain"])

@@ -10,12 +10,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
 
 _PUBLIC = {
     "ClusterSamplingConfig": "ds_cluster.config",
     "Plan": "ds_cluster.planning.plan",
     "build_plan": "ds_cluster.planning.plan",
+    "cluster_samples": "ds_cluster.clustering.samples",
+    "PlanInputs": "ds_cluster.clustering.samples",
+    "BatchShape": "ds_cluster.batching",
+    "cluster_loader": "ds_cluster.loader.sampler",
+    "LateLRSchedule": "ds_cluster.loader.lr_schedules",
     "weighted_lm_loss": "ds_cluster.loader.loss",
     "weighted_causal_lm_loss": "ds_cluster.loader.loss",
     "install": "ds_cluster.integrations.deepspeed",

@@ -29,7 +29,7 @@ from ds_cluster.planning.shares import ADAPTIVE_RULES
 from ds_cluster.planning.weights import WEIGHTINGS
 from ds_cluster.registry import Registry
 from ds_cluster.settings import (ClusteringSettings, FeatureSettings, LossSettings, ScheduleSettings,
-                                 SelectionSettings, StageSettings)
+                                 SelectionSettings, StageSettings, TargetSettings, default_of)
 
 # What the reference implementation does (docs/design.md, "The paper preset").
 PAPER_PRESET: dict[str, Any] = {
@@ -47,19 +47,9 @@ PAPER_PRESET: dict[str, Any] = {
 # ds_cluster's recommended settings: of the real candidates in bench/candidates.json, the lowest mean macro
 # validation answer loss on the T0 slice at 30% kept over 4 paired seeds (docs/choosing.md). K, budget,
 # selection and weighting are also the synthetic choice; the output-layer gradient features (lm_head) are
-# the real choice, ahead of a random subset by about its own seed noise.
-RECOMMENDED_PRESET: dict[str, Any] = {
-    "num_clusters": 8,
-    "budget_mode": "neyman",
-    "selection": "random",
-    "capacity_factor": None,
-    "kmeans_n_init": 10,
-    "allocation": "stratified",
-    "weighting": "cluster",
-    "loss_reduction": "token",
-    "feature_kind": "lm_head",
-    "normalize_features": True,
-}
+# the real choice, ahead of a random subset by about its own seed noise. They are the stages' defaults
+# (ds_cluster/settings.py): the preset names the keys it fixes.
+RECOMMENDED_PRESET: dict[str, Any] = {key: default_of(key) for key in PAPER_PRESET}
 PRESETS: dict[str, dict[str, Any]] = {"paper": PAPER_PRESET, "recommended": RECOMMENDED_PRESET}
 # The keys that name a rule, and the registry each is read from (the one list of the names there are).
 RULE_REGISTRIES: dict[str, Registry] = {"feature_kind": FEATURE_KINDS, "budget_mode": BUDGETS, "selection": SELECTIONS,
@@ -70,6 +60,27 @@ RULE_KEYS = tuple(RULE_REGISTRIES)
 NOT_STAGE_KEYS = ("enabled", "preset", "analysis_path", "schedule_log")
 
 
+class TargetConfig(BaseModel):
+    """The `target` sub-block: examples of what the user cares about, for a targeted selection (docs/targeted.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: str = Field(min_length=1)
+    group_field: Optional[str] = default_of("target.group_field")
+    min_examples: int = Field(default_of("target.min_examples"), ge=1)
+    groups: Optional[tuple[str, ...]] = Field(default_of("target.groups"), min_length=1)
+    cluster_floor: int = Field(default_of("target.cluster_floor"), ge=0)
+
+    @model_validator(mode="after")
+    def _groups_need_their_field(self) -> "TargetConfig":
+        if self.groups is not None and self.group_field is None:
+            raise ValueError("target.groups names targets by the field target.group_field: set it too")
+        return self
+
+    def settings(self) -> TargetSettings:
+        return TargetSettings(**self.model_dump())
+
+
 class ClusterSamplingConfig(BaseModel):
     """Settings of cluster-balanced sampling; docs/configuration.md describes every key."""
 
@@ -77,60 +88,63 @@ class ClusterSamplingConfig(BaseModel):
 
     enabled: bool = False
     preset: Optional[Literal["paper", "recommended"]] = None
-    # The defaults are the recommended preset: the best setting measured.
-    num_clusters: Union[Literal["auto"], int] = RECOMMENDED_PRESET["num_clusters"]
-    budget_mode: str = RECOMMENDED_PRESET["budget_mode"]
+    # Every default is the stage's (ds_cluster/settings.py, `default_of`): the recommended preset.
+    num_clusters: Union[Literal["auto"], int] = default_of("num_clusters")
+    budget_mode: str = default_of("budget_mode")
     # "auto" (with the adaptive schedule): the run finds its own budget (clusters stop when they stop improving).
-    budget_ratio: Union[Literal["auto"], Annotated[float, Field(gt=0.0, le=1.0)]] = 1.0
-    budget_samples: Optional[int] = Field(None, ge=1)
-    selection: str = RECOMMENDED_PRESET["selection"]
-    # semdedup: cosine similarity at or above which a sample is a near-duplicate of one read before it.
-    dedup_similarity: float = Field(0.95, gt=0.0, le=1.0)
-    capacity_factor: Optional[float] = Field(RECOMMENDED_PRESET["capacity_factor"], ge=1.0)
-    capacity_neighbors: int = Field(8, ge=1)
-    kmeans_n_init: int = Field(10, ge=1)
-    kmeans_max_iter: int = Field(300, ge=1)
-    backend: str = "sklearn"
-    sharded_clustering: bool = False
-    allocation: str = "stratified"
-    weighting: str = RECOMMENDED_PRESET["weighting"]
+    budget_ratio: Union[Literal["auto"], Annotated[float, Field(gt=0.0, le=1.0)]] = default_of("budget_ratio")
+    budget_samples: Optional[int] = Field(default_of("budget_samples"), ge=1)
+    selection: str = default_of("selection")
+    # semdedup, round_robin, clusters: cosine similarity at or above which a sample is a near-duplicate of one read
+    # (or taken) before it.
+    dedup_similarity: float = Field(default_of("dedup_similarity"), gt=0.0, le=1.0)
+    capacity_factor: Optional[float] = Field(default_of("capacity_factor"), ge=1.0)
+    capacity_neighbors: int = Field(default_of("capacity_neighbors"), ge=1)
+    kmeans_n_init: int = Field(default_of("kmeans_n_init"), ge=1)
+    kmeans_max_iter: int = Field(default_of("kmeans_max_iter"), ge=1)
+    backend: str = default_of("backend")
+    sharded_clustering: bool = default_of("sharded_clustering")
+    allocation: str = default_of("allocation")
+    weighting: str = default_of("weighting")
     # t in ((n_c/N) / (s_c/S)) ** t: 1 the unbiased weights, 0 none; between, less variance for some bias.
-    weight_temperature: float = Field(1.0, ge=0.0, le=1.0)
-    loss_reduction: Literal["sample", "token"] = RECOMMENDED_PRESET["loss_reduction"]
-    seed: int = Field(1234, ge=0)
+    weight_temperature: float = Field(default_of("weight_temperature"), ge=0.0, le=1.0)
+    loss_reduction: Literal["sample", "token"] = default_of("loss_reduction")
+    seed: int = Field(default_of("seed"), ge=0)
     analysis_path: Optional[str] = None
-    feature_kind: str = RECOMMENDED_PRESET["feature_kind"]
-    feature_dim: Optional[int] = Field(None, ge=1)
-    normalize_features: bool = True
+    feature_kind: str = default_of("feature_kind")
+    feature_dim: Optional[int] = Field(default_of("feature_dim"), ge=1)
+    normalize_features: bool = default_of("normalize_features")
     # A checkpoint folder used only to compute the features (its own forward-only engine and tokenizer).
-    feature_model: Optional[str] = None
-    feature_max_length: Optional[int] = Field(None, ge=2)
+    feature_model: Optional[str] = default_of("feature_model")
+    feature_max_length: Optional[int] = Field(default_of("feature_max_length"), ge=2)
     # The schedule: "static" (a plan fixed before step 0) or "adaptive" (windows of adapt_every optimizer steps
     # whose per-cluster shares follow what the clusters' losses did in the window before; docs/adaptive.md).
-    schedule: Literal["static", "adaptive"] = "static"
-    adaptive_rule: str = "loss"
-    adapt_every: int = Field(10, ge=1)
-    adaptive_pool: Literal["all", "selected"] = "all"
-    probe_size: int = Field(4, ge=0)
-    exploration: float = Field(0.1, ge=0.0, le=1.0)
-    auto_tolerance: float = Field(0.03, ge=0.0, lt=1.0)
-    auto_patience: int = Field(3, ge=1)
+    schedule: Literal["static", "adaptive"] = default_of("schedule")
+    adaptive_rule: str = default_of("adaptive_rule")
+    adapt_every: int = Field(default_of("adapt_every"), ge=1)
+    adaptive_pool: Literal["all", "selected"] = default_of("adaptive_pool")
+    probe_size: int = Field(default_of("probe_size"), ge=0)
+    exploration: float = Field(default_of("exploration"), ge=0.0, le=1.0)
+    auto_tolerance: float = Field(default_of("auto_tolerance"), ge=0.0, lt=1.0)
+    auto_patience: int = Field(default_of("auto_patience"), ge=1)
     # budget_ratio "auto": what tells that a cluster stopped improving (planning/auto.py, docs/adaptive.md):
     # "relative" (its loss fell by auto_tolerance of its best), "curve" (a power law fitted to its last
     # auto_fit_windows losses predicts a loss at least auto_remaining lower, relatively, after as many steps again)
     # or "floor" (that curve falls by at least auto_floor nats over the next window).
-    auto_signal: str = "relative"
-    auto_fit_windows: int = Field(8, ge=2)
-    auto_remaining: float = Field(0.2, ge=0.0, lt=1.0)
-    auto_floor: float = Field(0.02, ge=0.0)
+    auto_signal: str = default_of("auto_signal")
+    auto_fit_windows: int = Field(default_of("auto_fit_windows"), ge=2)
+    auto_remaining: float = Field(default_of("auto_remaining"), ge=0.0, lt=1.0)
+    auto_floor: float = Field(default_of("auto_floor"), ge=0.0)
     # budget_ratio "auto": once every cluster has stopped, the run goes on for this fraction of the steps it has
     # taken (whole windows, at least one) at the natural shares while the learning rate decays to 0
     # (lr_schedules.warmup_stable_decay); 0 ends the run at once. With auto_maintenance: a stopped cluster keeps
     # this fraction of its natural share (0: it is no longer drawn, and is forgotten). Both chosen on T0
     # validation (bench/results/real/quality_choose_auto.md); 0 and 0 failed there.
-    auto_cooldown: float = Field(0.2, ge=0.0, le=1.0)
-    auto_maintenance: float = Field(0.25, ge=0.0, lt=1.0)
+    auto_cooldown: float = Field(default_of("auto_cooldown"), ge=0.0, le=1.0)
+    auto_maintenance: float = Field(default_of("auto_maintenance"), ge=0.0, lt=1.0)
     schedule_log: Optional[str] = None
+    # Examples of what the user cares about, read by the targeted selections (round_robin, clusters).
+    target: Optional[TargetConfig] = default_of("target")
 
     @model_validator(mode="before")
     @classmethod
@@ -164,6 +178,25 @@ class ClusterSamplingConfig(BaseModel):
                              "'stratified' (or schedule 'static')")
         return self
 
+    @model_validator(mode="after")
+    def _check_target(self) -> "ClusterSamplingConfig":
+        targeted = SELECTIONS.get_rule(self.selection).targeted
+        if targeted and self.target is None:
+            raise ValueError(f"selection {self.selection!r} takes the records most like a set of target examples: give "
+                             "them as \"target\": {\"data\": \"examples.jsonl\"} (docs/targeted.md), or choose an "
+                             "untargeted selection")
+        if self.target is not None and not targeted:
+            rules = ", ".join(repr(name) for name, rule in SELECTIONS.items() if rule.targeted)
+            raise ValueError(f"a target is given but selection {self.selection!r} does not read it: set selection to "
+                             f"{rules} (or remove the target)")
+        if self.target is not None and self.schedule == "adaptive":
+            raise ValueError("the adaptive schedule draws from every cluster by its training loss and does not read a "
+                             "target: use schedule 'static' with a target (or remove the target)")
+        if self.target is not None and self.sharded_clustering:
+            raise ValueError("a targeted selection reads every feature row, which sharded_clustering keeps on their "
+                             "own ranks: set sharded_clustering false with a target")
+        return self
+
     def stages(self) -> StageSettings:
         """Every stage's settings, derived from this block: the one way a key reaches the code (ds_cluster.settings)."""
         values = self.model_dump()
@@ -174,8 +207,10 @@ class ClusterSamplingConfig(BaseModel):
 
         default_log = (str(Path(self.analysis_path).absolute().parent / "schedule.jsonl")
                        if self.analysis_path else None)
+        selection = dataclasses.replace(derive(SelectionSettings),
+                                        target=self.target.settings() if self.target is not None else None)
         return StageSettings(features=derive(FeatureSettings), clustering=derive(ClusteringSettings),
-                             selection=derive(SelectionSettings),
+                             selection=selection,
                              schedule=derive(ScheduleSettings, auto=self.budget_ratio == "auto",
                                              log_path=self.schedule_log or default_log),
                              loss=derive(LossSettings))
@@ -234,6 +269,8 @@ def _validation_message(err: ValidationError, source: str) -> str:
     inputs: dict[str, Any] = {}
     for item in err.errors():
         key = str(item["loc"][0]) if item["loc"] else "(block)"
+        if key == "target" and len(item["loc"]) > 1 and isinstance(item["loc"][1], str):
+            key = f"target.{item['loc'][1]}"  # a key of the target sub-block
         problems.setdefault(key, []).append(item["msg"])
         inputs.setdefault(key, item.get("input"))
     return f"{source}: invalid value for " + "; ".join(

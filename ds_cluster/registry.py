@@ -23,7 +23,7 @@ class Registry(Mapping[str, Rule], Generic[Rule]):
         self._describe_unknown = describe_unknown
         self._rules: dict[str, Rule] = {}
         for rule in rules:
-            name = str(getattr(rule, "name"))
+            name = str(rule.name)  # type: ignore[attr-defined]
             if name in self._rules:
                 raise ValueError(f"two {setting} rules are named {name!r}")
             self._rules[name] = rule

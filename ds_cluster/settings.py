@@ -18,10 +18,22 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Optional, Union
 
 _NOT_SET = object()
+# `unrecorded=AT_DEFAULT`: a plan leaves the key out at its default. Should a default ever change, write the old
+# default there instead, so that plans made before keep their fingerprints.
+AT_DEFAULT = object()
+
+
+# The keys more than one stage reads, with their one default.
+SHARED_DEFAULTS: dict[str, Any] = {"seed": 1234, "sharded_clustering": False, "weighting": "cluster",
+                                   "weight_temperature": 1.0}
 
 
 def declared(key: str, default: Any = dataclasses.MISSING, *, unrecorded: Any = _NOT_SET) -> Any:
-    """A settings field read from the block's `key`; `unrecorded`: the value at which a plan leaves it out."""
+    """A settings field read from the block's `key`, with its default: the one place a key's default is written
+    (the block's model, the presets and the stages read it here, `default_of`). `unrecorded`: the value at which a
+    plan leaves it out."""
+    if unrecorded is AT_DEFAULT:
+        unrecorded = default
     metadata = {"key": key} if unrecorded is _NOT_SET else {"key": key, "unrecorded": unrecorded}
     return field(default=default, metadata=metadata)
 
@@ -43,12 +55,30 @@ class _Declared:
             value = getattr(self, item.name)
             if "unrecorded" in item.metadata and value == item.metadata["unrecorded"]:
                 continue
-            out[item.metadata["key"]] = value
+            out[item.metadata["key"]] = value.recorded() if isinstance(value, _Declared) else value
         return out
 
     @classmethod
     def declared_keys(cls) -> tuple[str, ...]:
         return tuple(item.metadata["key"] for item in dataclasses.fields(cls) if "key" in item.metadata)  # type: ignore
+
+
+@dataclass(frozen=True)
+class TargetSettings(_Declared):
+    """The `target` sub-block: a file of examples of what the user cares about (docs/targeted.md). `data` is where
+    they are read, so a plan never records it (their content's fingerprint, `target_fingerprint`, is what a plan and
+    an analysis record); its keys are `target.<key>` to `default_of`."""
+
+    data: str = ""
+    # The record field naming which target an example belongs to (several targets in one file); records without it
+    # form one target of their own.
+    group_field: Optional[str] = declared("group_field", None)
+    # The fewest examples a target may have.
+    min_examples: int = declared("min_examples", 1)
+    # The targets the file must hold (each with at least min_examples); None: whatever groups it holds.
+    groups: Optional[tuple[str, ...]] = declared("groups", None)
+    # selection "clusters": every cluster keeps at least this many records (0 lets a cluster go unvisited).
+    cluster_floor: int = declared("cluster_floor", 1)
 
 
 @dataclass(frozen=True)
@@ -59,11 +89,11 @@ class FeatureSettings(_Declared):
     kind: str = declared("feature_kind", "lm_head")
     dim: Optional[int] = declared("feature_dim", None)
     normalize: bool = declared("normalize_features", True)
-    seed: int = declared("seed", 1234)
+    seed: int = declared("seed", SHARED_DEFAULTS["seed"])
     model: Optional[str] = declared("feature_model", None)
     max_length: Optional[int] = declared("feature_max_length", None)
     # Sharded clustering keeps each rank's own feature rows instead of gathering them.
-    sharded: bool = declared("sharded_clustering", False)
+    sharded: bool = declared("sharded_clustering", SHARED_DEFAULTS["sharded_clustering"])
 
 
 @dataclass(frozen=True)
@@ -76,8 +106,8 @@ class ClusteringSettings(_Declared):
     capacity_factor: Optional[float] = declared("capacity_factor", None)
     capacity_neighbors: int = declared("capacity_neighbors", 8)
     backend: str = declared("backend", "sklearn")
-    sharded: bool = declared("sharded_clustering", False)
-    seed: int = declared("seed", 1234)
+    sharded: bool = declared("sharded_clustering", SHARED_DEFAULTS["sharded_clustering"])
+    seed: int = declared("seed", SHARED_DEFAULTS["seed"])
 
     def resolved_num_clusters(self, world_size: int) -> int:
         """K: the configured number, or the data-parallel world size for "auto"."""
@@ -100,11 +130,14 @@ class SelectionSettings(_Declared):
     budget_ratio: Union[Literal["auto"], float] = declared("budget_ratio", 1.0)
     budget_samples: Optional[int] = declared("budget_samples", None)
     selection: str = declared("selection", "random")
-    dedup_similarity: float = declared("dedup_similarity", 0.95, unrecorded=0.95)
-    weighting: str = declared("weighting", "cluster")
-    weight_temperature: float = declared("weight_temperature", 1.0, unrecorded=1.0)
+    dedup_similarity: float = declared("dedup_similarity", 0.95, unrecorded=AT_DEFAULT)
+    # The target examples a targeted selection ("round_robin", "clusters") reads; None: no target.
+    target: Optional[TargetSettings] = declared("target", None, unrecorded=AT_DEFAULT)
+    weighting: str = declared("weighting", SHARED_DEFAULTS["weighting"])
+    weight_temperature: float = declared("weight_temperature", SHARED_DEFAULTS["weight_temperature"],
+                                         unrecorded=AT_DEFAULT)
     allocation: str = declared("allocation", "stratified")
-    seed: int = declared("seed", 1234)
+    seed: int = declared("seed", SHARED_DEFAULTS["seed"])
 
     @property
     def planned_ratio(self) -> float:
@@ -118,22 +151,22 @@ class ScheduleSettings(_Declared):
     steps at shares that follow the clusters' losses; docs/adaptive.md), and the adaptive schedule's keys.
     It weights each window itself, so it reads the weighting rule and its temperature too."""
 
-    kind: Literal["static", "adaptive"] = declared("schedule", "static", unrecorded="static")
-    rule: str = declared("adaptive_rule", "loss", unrecorded="loss")
-    adapt_every: int = declared("adapt_every", 10, unrecorded=10)
-    pool: Literal["all", "selected"] = declared("adaptive_pool", "all", unrecorded="all")
-    probe_size: int = declared("probe_size", 4, unrecorded=4)
-    exploration: float = declared("exploration", 0.1, unrecorded=0.1)
-    tolerance: float = declared("auto_tolerance", 0.03, unrecorded=0.03)
-    patience: int = declared("auto_patience", 3, unrecorded=3)
-    signal: str = declared("auto_signal", "relative", unrecorded="relative")
-    fit_windows: int = declared("auto_fit_windows", 8, unrecorded=8)
-    remaining: float = declared("auto_remaining", 0.2, unrecorded=0.2)
-    floor: float = declared("auto_floor", 0.02, unrecorded=0.02)
-    cooldown: float = declared("auto_cooldown", 0.2, unrecorded=0.2)
-    maintenance: float = declared("auto_maintenance", 0.25, unrecorded=0.25)
-    weighting: str = declared("weighting", "cluster")
-    temperature: float = declared("weight_temperature", 1.0, unrecorded=1.0)
+    kind: Literal["static", "adaptive"] = declared("schedule", "static", unrecorded=AT_DEFAULT)
+    rule: str = declared("adaptive_rule", "loss", unrecorded=AT_DEFAULT)
+    adapt_every: int = declared("adapt_every", 10, unrecorded=AT_DEFAULT)
+    pool: Literal["all", "selected"] = declared("adaptive_pool", "all", unrecorded=AT_DEFAULT)
+    probe_size: int = declared("probe_size", 4, unrecorded=AT_DEFAULT)
+    exploration: float = declared("exploration", 0.1, unrecorded=AT_DEFAULT)
+    tolerance: float = declared("auto_tolerance", 0.03, unrecorded=AT_DEFAULT)
+    patience: int = declared("auto_patience", 3, unrecorded=AT_DEFAULT)
+    signal: str = declared("auto_signal", "relative", unrecorded=AT_DEFAULT)
+    fit_windows: int = declared("auto_fit_windows", 8, unrecorded=AT_DEFAULT)
+    remaining: float = declared("auto_remaining", 0.2, unrecorded=AT_DEFAULT)
+    floor: float = declared("auto_floor", 0.02, unrecorded=AT_DEFAULT)
+    cooldown: float = declared("auto_cooldown", 0.2, unrecorded=AT_DEFAULT)
+    maintenance: float = declared("auto_maintenance", 0.25, unrecorded=AT_DEFAULT)
+    weighting: str = declared("weighting", SHARED_DEFAULTS["weighting"])
+    temperature: float = declared("weight_temperature", SHARED_DEFAULTS["weight_temperature"], unrecorded=AT_DEFAULT)
     # Not block keys of their own: budget_ratio "auto", and where the log goes (schedule_log, else beside the
     # analysis folder); neither changes the plan.
     auto: bool = False
@@ -152,9 +185,10 @@ class LossSettings(_Declared):
 
     @classmethod
     def recorded_in(cls, record: Mapping[str, Any]) -> "LossSettings":
-        """The reduction a plan was built with (its `settings`); "sample" for a plan that records none (made by
+        """The reduction a plan was built with (its `settings`); the default for a plan that records none (made by
         hand)."""
-        return cls(reduction=record.get("loss_reduction", "sample"))
+        key = cls.declared_keys()[0]
+        return cls(reduction=record[key]) if key in record else cls()
 
 
 @dataclass(frozen=True)
@@ -185,8 +219,25 @@ class StageSettings:
     @staticmethod
     def declared_keys() -> set[str]:
         """Every block key some stage reads."""
-        return {key for stage in (FeatureSettings, ClusteringSettings, SelectionSettings, ScheduleSettings,
-                                  LossSettings) for key in stage.declared_keys()}
+        return {key for stage in STAGE_TYPES for key in stage.declared_keys()}
+
+
+STAGE_TYPES = (FeatureSettings, ClusteringSettings, SelectionSettings, ScheduleSettings, LossSettings)
+
+
+def default_of(key: str) -> Any:
+    """The default of a block key, as the stage that reads it declares it (every stage that declares it agrees:
+    tests/test_config.py); a key of the target sub-block as `target.<key>`."""
+    if key.startswith("target."):
+        for item in dataclasses.fields(TargetSettings):
+            if item.metadata.get("key") == key.removeprefix("target."):
+                return item.default
+        raise KeyError(f"the target sub-block has no key {key.removeprefix('target.')!r}")
+    for stage in STAGE_TYPES:
+        for item in dataclasses.fields(stage):
+            if item.metadata.get("key") == key:
+                return item.default
+    raise KeyError(f"no stage reads the block key {key!r}")
 
 
 def stages_of(settings: Any) -> StageSettings:

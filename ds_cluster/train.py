@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -32,16 +32,18 @@ from ds_cluster.data.dataset import DEFAULT_MAX_LENGTH, load_instruction_dataset
 from ds_cluster.data.models import load_model_and_tokenizer, with_lora
 from ds_cluster.ds_config import BLOCK_PATH, read_ds_config
 from ds_cluster.fileio import write_json_atomic
-from ds_cluster.integrations.loop import LoopHooks, LoopResult, train_loop
+from ds_cluster.integrations.loop import LoopHooks, LoopResult, MicroStep, train_loop
 from ds_cluster.integrations.saving import save_gathered_model
-from ds_cluster.loader.lr_schedules import run_lr_schedule
+from ds_cluster.loader.lr_schedules import LateLRSchedule
+from ds_cluster.loader.sampler import ClusterDataLoader, cluster_loader
 
 logger = logging.getLogger("ds_cluster.train")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--deepspeed", required=True, help="DeepSpeed config (JSON or HJSON) with a cluster_sampling block")
+    parser.add_argument("--deepspeed", required=True,
+                        help="DeepSpeed config (JSON or HJSON) with a cluster_sampling block")
     parser.add_argument("--model", required=True, help="a local Hugging Face causal-LM checkpoint folder")
     parser.add_argument("--data", required=True,
                         help="records as JSONL (.jsonl or .jsonl.gz) or a datasets save_to_disk folder: Alpaca "
@@ -128,7 +130,7 @@ def output_dir_problem(output: Path) -> Optional[str]:
     return None
 
 
-def loop_hooks(args: argparse.Namespace, engine: Any, loader: Any, output: Path, rank: int) -> tuple[LoopHooks, Any]:
+def loop_hooks(args: argparse.Namespace, engine: Any, output: Path, rank: int) -> tuple[LoopHooks, Any]:
     """The script's additions to the library's loop: checkpoints every --save-every steps, and
     with --trace every micro-step's indices and loss (one JSONL file per rank). Returns the hooks and the trace file
     to close (None without --trace)."""
@@ -138,10 +140,11 @@ def loop_hooks(args: argparse.Namespace, engine: Any, loader: Any, output: Path,
         (output / "trace").mkdir(parents=True, exist_ok=True)
         trace = open(output / "trace" / f"rank{rank}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
 
-    def traced(batch: Any, loss: float) -> None:
+    def traced(micro: MicroStep) -> None:
         assert trace is not None
-        record = {"epoch": loader.epoch, "micro": loader.position - 1, "step": engine.global_steps,
-                  "indices": batch["sample_index"].tolist(), "loss": loss}
+        indices = micro.batch["sample_index"].tolist() if "sample_index" in micro.batch else None
+        record = {"epoch": micro.epoch, "micro": micro.micro, "step": micro.step, "indices": indices,
+                  "loss": micro.loss}
         trace.write(json.dumps(record) + "\n")
         trace.flush()
 
@@ -152,27 +155,19 @@ def loop_hooks(args: argparse.Namespace, engine: Any, loader: Any, output: Path,
     return LoopHooks(after_micro_step=traced if trace is not None else None, after_step=checkpoint), trace
 
 
-def lr_scheduler(args: argparse.Namespace, run_steps: dict[str, int], made: dict[str, Any]
-                 ) -> Optional[Callable[[Any], Any]]:
-    """What deepspeed.initialize builds the LR scheduler with (None: constant). The run's length (`run_steps`)
-    and the loader (`made`) are read when the factor is, since both exist only after deepspeed.initialize."""
-    if args.lr_schedule != "cosine":
-        return None
-    factor = run_lr_schedule(lambda: run_steps["total"], args.warmup_fraction, lambda: made.get("loader"))
-    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def write_summary(result: LoopResult, engine: Any, loader: Any, output: Path, rank: int) -> None:
+def write_summary(result: LoopResult, engine: Any, loader: Optional[ClusterDataLoader], output: Path,
+                  rank: int) -> None:
     """This rank's summary_rank<R>.json (steps, time, first and last losses, a digest of the parameters: collective
-    under ZeRO-3), and rank 0's closing log line."""
+    under ZeRO-3), and rank 0's closing log line. `loader`: ds_cluster's, or None for DeepSpeed's own."""
     losses = result.losses
     summary = {"rank": rank, "steps": engine.global_steps, "micro_steps": len(losses), "train_seconds": result.wall,
-               "train_cpu_seconds": result.cpu, "analysis_timings": getattr(loader, "analysis_timings", {}),
+               "train_cpu_seconds": result.cpu,
+               "analysis_timings": loader.analysis.to_json() if loader is not None and loader.analysis else {},
                "first_losses": losses[:4], "last_losses": losses[-4:], "parameter_digest": parameter_digest(engine),
                "learning_rate": engine.get_lr()[0] if engine.get_lr() else None}
     write_json_atomic(output / f"summary_rank{rank}.json", summary)
     if rank == 0:
-        plan_summary = loader.plan.summary() if hasattr(loader, "plan") else {}
+        plan_summary = loader.plan.summary() if loader is not None else {}
         logger.info("done: %d steps in %.1f s, final loss %.4f, kept %s of %s samples", engine.global_steps,
                     result.wall, losses[-1] if losses else float("nan"), plan_summary.get("num_kept"),
                     plan_summary.get("num_samples"))
@@ -199,28 +194,30 @@ def main(argv=None) -> int:
     dataset = load_instruction_dataset(args.data, tokenizer, max_length=args.max_length)
 
     ds_cluster.install()  # the one line: deepspeed.initialize now returns the cluster-balanced loader
-    run_steps = {"total": 0}
-    made: dict[str, Any] = {}  # the loader, once deepspeed.initialize has built it
-    scheduler = lr_scheduler(args, run_steps, made)
+    # cosine: the run's length and the loader exist only once initialize has returned.
+    late_lr = LateLRSchedule(args.warmup_fraction) if args.lr_schedule == "cosine" else None
     trainable = [param for param in model.parameters() if param.requires_grad]
     engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=trainable,
-                                                training_data=dataset, config=config, lr_scheduler=scheduler,
+                                                training_data=dataset, config=config,
+                                                lr_scheduler=late_lr.scheduler if late_lr else None,
                                                 collate_fn=trim_padding_collate)
-    made["loader"] = loader
-    if hasattr(loader, "plan"):
-        run_steps["total"] = args.epochs * loader.plan.steps_per_epoch
-        run_steps["total"] = min(run_steps["total"], args.max_steps) if args.max_steps else run_steps["total"]
+    planned = cluster_loader(loader)  # None: the block is disabled or absent, and this is plain DeepSpeed
+    steps_per_epoch = (planned.plan.steps_per_epoch if planned is not None
+                       else len(loader) // engine.gradient_accumulation_steps())
+    total_steps = args.epochs * steps_per_epoch
+    if late_lr is not None:
+        late_lr.start(loader, min(total_steps, args.max_steps) if args.max_steps else total_steps)
     output = Path(args.output_dir)
     checkpoints = output / "checkpoints"
     if rank == 0:
         output.mkdir(parents=True, exist_ok=True)
-        if hasattr(loader, "plan"):
-            loader.plan.save(output / "plan")
+        if planned is not None:
+            planned.plan.save(output / "plan")
     if args.resume and (checkpoints / "latest").exists():
         engine.load_checkpoint(str(checkpoints))
         logger.info("resumed at step %d", engine.global_steps)
 
-    hooks, trace = loop_hooks(args, engine, loader, output, rank)
+    hooks, trace = loop_hooks(args, engine, output, rank)
     try:
         result = train_loop(engine, loader, epochs=args.epochs, max_steps=args.max_steps, hooks=hooks)
     finally:
@@ -228,8 +225,8 @@ def main(argv=None) -> int:
             trace.close()
     if args.save_model:
         save_hf_model(engine, tokenizer, Path(args.save_model), rank)
-    write_summary(result, engine, loader, output, rank)
-    del engine, loader
+    write_summary(result, engine, planned, output, rank)
+    del engine, loader, planned
     gc.collect()
     distributed.shutdown()
     return 0

@@ -95,7 +95,8 @@ def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """Fail with the job's output when it did not exit 0."""
     if result.returncode != 0:
         raise AssertionError(
-            f"job exited {result.returncode}\n--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+            f"job exited {result.returncode}\n--- stdout ---\n{result.stdout[-6000:]}\n--- stderr "
+            f"---\n{result.stderr[-6000:]}"
         )
     return result
 

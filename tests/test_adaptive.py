@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_cluster import ClusterSamplingConfig, build_plan
+from ds_cluster import ClusterSamplingConfig
+from tests.planning import plan_of
 from ds_cluster.collectives import LOCAL
 from ds_cluster.loader.adaptive import AdaptiveSchedule, _draw
 from ds_cluster.loader.sampler import ClusterDataLoader
@@ -33,7 +34,7 @@ def _loader(tmp_path: Path, **keys) -> ClusterDataLoader:
              "budget_ratio": 0.5, "selection": "random", "adapt_every": 2, "probe_size": 0,
              "loss_reduction": "sample", "analysis_path": str(tmp_path / "analysis"), **keys}
     config = ClusterSamplingConfig.from_dict(block)
-    plan = build_plan(None, config, world_size=1, micro_batch_size=4, gradient_accumulation_steps=2, labels=LABELS)
+    plan = plan_of(None, config, world_size=1, micro_batch_size=4, gradient_accumulation_steps=2, labels=LABELS)
     stages = config.stages()
     schedule = AdaptiveSchedule(plan, 0, stages.schedule, collectives=LOCAL)
     return ClusterDataLoader(_dataset(), plan, 0, schedule=schedule, loss=stages.loss, collectives=LOCAL)
@@ -83,7 +84,7 @@ def test_a_static_schedule_is_the_static_loader_bit_for_bit(tmp_path):
                                    selection="random")
     static = ClusterSamplingConfig(enabled=True, num_clusters=3, budget_mode="proportional", budget_ratio=0.5,
                                    selection="random", schedule="static", adapt_every=10)
-    plans = [build_plan(None, c, world_size=1, micro_batch_size=4, gradient_accumulation_steps=2, labels=LABELS)
+    plans = [plan_of(None, c, world_size=1, micro_batch_size=4, gradient_accumulation_steps=2, labels=LABELS)
              for c in (config, static)]
     assert plans[0].fingerprint() == plans[1].fingerprint()  # the new keys at their defaults change nothing
     assert type(ClusterDataLoader(_dataset(), plans[0], 0)) is ClusterDataLoader
@@ -141,7 +142,8 @@ def test_auto_cooldown_goes_on_over_every_cluster_at_the_natural_shares_then_end
     batches = _train(loader, 1000)
     # Three windows until every cluster has stopped, then ceil(0.5 x 3) = 2 windows of cool-down.
     assert loader.finished and len(batches) == (3 + 2) * 2 * 2
-    assert loader.cooldown_steps() == (6, 10)  # (first step, end step), in optimizer steps
+    assert loader.run_end().steps == (6, 10)  # (first step, end step), in optimizer steps
+    assert loader.run_end().fraction == 0.5
     lines = [json.loads(line) for line in (tmp_path / "schedule.jsonl").read_text().splitlines()]
     assert lines[2]["cooldown"] == [6, 10] and not lines[2]["finished"]
     natural = np.array(SIZES) / sum(SIZES)
@@ -159,8 +161,9 @@ def test_auto_cooldown_resumes_from_a_state_saved_inside_it(tmp_path):
     state = json.loads(json.dumps(first.state_dict(global_step=7)))
     resumed = _loader(tmp_path / "b", **keys)
     resumed.load_state_dict(state)
-    assert resumed.cooldown_steps() == (6, 10)
+    assert resumed.schedule.state.cooldown == {"start": 6, "end": 10}
     assert done + _train(resumed, 1000) == expected and resumed.finished
+    assert resumed.run_end().steps == (6, 10)
 
 
 @pytest.mark.parametrize("signal", ["curve", "floor"])

@@ -71,7 +71,8 @@ def test_every_window_is_drawn_at_the_shares_the_window_before_gave(adaptive_run
 def test_the_report_plots_the_adaptive_runs_shares_and_losses(adaptive_run, small_job, tmp_path):
     from ds_cluster.cli import main
 
-    assert main(["report", "--analysis", str(small_job / "analysis"), "--deepspeed", str(adaptive_run / "ds_config.json"),
+    assert main(["report", "--analysis", str(small_job / "analysis"),
+                 "--deepspeed", str(adaptive_run / "ds_config.json"),
                  "--world-size", "2", "--schedule-log", str(adaptive_run / "schedule.jsonl"),
                  "--out", str(tmp_path / "report"), "--no-text"]) == 0
     page = (tmp_path / "report" / "index.html").read_text()

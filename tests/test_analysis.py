@@ -145,7 +145,8 @@ def test_analyze_cli_under_mpirun_zero2_lm_head(inputs, tmp_path):
 def test_sharded_clustering_on_two_ranks_equals_one_process(inputs, tmp_path):
     """With sharded_clustering each rank clusters its own feature rows (the Lloyd sums are all-reduced): two
     ranks give the one-process centroids (to 1e-5), the same labels and the same plan."""
-    from ds_cluster import ClusterSamplingConfig, build_plan
+    from ds_cluster import ClusterSamplingConfig
+    from tests.planning import plan_of_inputs
     from tests.launching import run_single
 
     config = json.loads(inputs["config"](2).read_text())
@@ -166,6 +167,6 @@ def test_sharded_clustering_on_two_ranks_equals_one_process(inputs, tmp_path):
     np.testing.assert_array_equal(np.load(two / "labels.npy"), np.load(one / "labels.npy"))
     assert max(np.bincount(np.load(two / "labels.npy"))) <= int(np.ceil(1.05 * NUM_RECORDS / 3))
     settings = ClusterSamplingConfig.from_dict({**block, "budget_ratio": 0.5, "allocation": "stratified"})
-    plans = [build_plan(config=settings, world_size=2, micro_batch_size=2, gradient_accumulation_steps=1,
-                        **AnalysisDir(folder).load_inputs(NUM_RECORDS).plan_arguments()) for folder in (two, one)]
+    plans = [plan_of_inputs(AnalysisDir(folder).load_inputs(NUM_RECORDS), settings, world_size=2, micro_batch_size=2,
+                            gradient_accumulation_steps=1) for folder in (two, one)]
     assert plans[0].fingerprint() == plans[1].fingerprint()

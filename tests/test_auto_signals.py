@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_cluster.planning.auto import AUTO_SIGNALS, AutoRule, AutoState, auto_step, fitted_curve
+from ds_cluster.planning.auto import AUTO_SIGNALS, AutoState, auto_step, fitted_curve
+from ds_cluster.settings import ScheduleSettings
 from ds_cluster.planning.shares import auto_stop
 
 
@@ -22,7 +23,7 @@ def test_a_power_law_is_read_back_from_its_points():
 
 
 def test_the_curve_signal_stops_when_as_many_steps_again_would_buy_little():
-    rule = AutoRule(signal="curve", fit_windows=4, remaining=0.2, patience=1)
+    rule = ScheduleSettings(signal="curve", fit_windows=4, remaining=0.2, patience=1)
     steep = [[step, 5.0 * step ** -0.5] for step in (10, 20, 30, 40)]  # 1 - 2**-0.5 = 0.29 >= 0.2: improving
     flat = [[step, 5.0 * step ** -0.1] for step in (10, 20, 30, 40)]  # 1 - 2**-0.1 = 0.07 < 0.2: not
     signal = AUTO_SIGNALS["curve"]
@@ -33,7 +34,7 @@ def test_the_curve_signal_stops_when_as_many_steps_again_would_buy_little():
 
 
 def test_the_floor_signal_reads_the_fall_over_the_next_window_in_nats():
-    rule = AutoRule(signal="floor", fit_windows=3, floor=0.02, window_steps=10, patience=1)
+    rule = ScheduleSettings(signal="floor", fit_windows=3, floor=0.02, adapt_every=10, patience=1)
     history = [[step, 2.0 * step ** -0.2] for step in (60, 70, 80)]
     fall = 2.0 * 80 ** -0.2 * (1 - (90 / 80) ** -0.2)
     reading = AUTO_SIGNALS["floor"].read(history, 2.0, math.nan, rule)
@@ -41,7 +42,7 @@ def test_the_floor_signal_reads_the_fall_over_the_next_window_in_nats():
 
 
 def test_a_cluster_stops_after_patience_windows_and_records_why():
-    rule = AutoRule(signal="curve", fit_windows=3, remaining=0.2, patience=2)
+    rule = ScheduleSettings(signal="curve", fit_windows=3, remaining=0.2, patience=2)
     state = AutoState.empty(2)
     for step in range(10, 110, 10):
         losses = np.array([3.0 * step ** -0.05, 3.0 * step ** -0.6])  # cluster 0 flat, cluster 1 steep
@@ -58,7 +59,7 @@ def test_a_cluster_stops_after_patience_windows_and_records_why():
                        min_size=1, max_size=12),
        tolerance=st.floats(0.0, 0.2), patience=st.integers(1, 4))
 def test_the_relative_signal_is_the_rule_of_0_5_0(losses, tolerance, patience):
-    rule = AutoRule(signal="relative", tolerance=tolerance, patience=patience)
+    rule = ScheduleSettings(signal="relative", tolerance=tolerance, patience=patience)
     state = AutoState.empty(3)
     best, stale, stopped = np.full(3, np.nan), np.zeros(3, dtype=np.int64), np.zeros(3, dtype=bool)
     for window, row in enumerate(losses):

@@ -25,7 +25,7 @@ from ds_cluster.ds_config import read_ds_config
 from ds_cluster.integrations.deepspeed import _initialize
 from ds_cluster.collectives import LOCAL
 from ds_cluster.integrations.setup import ClusterSetup, check_no_curriculum
-from ds_cluster.planning.plan import build_plan
+from tests.planning import plan_of
 from tests.launching import BIN, REPO, job_env, run_mpirun
 from tests.training import train_args
 
@@ -68,7 +68,8 @@ CONFIG_CASES = [
     ({"enabled": True, "kmeans_n_init": 0}, ["'kmeans_n_init'", "greater than or equal to 1"]),
     ({"enabled": True, "budget_samples": 0}, ["'budget_samples'", "greater than or equal to 1"]),
     ({"enabled": "maybe"}, ["'enabled'", "'maybe'"]),
-    ({"enabled": True, "feature_kind": "layers"}, ["'feature_kind'", "'layers' is not available", "'proxy'", "'lm_head'"]),
+    ({"enabled": True, "feature_kind": "layers"},
+     ["'feature_kind'", "'layers' is not available", "'proxy'", "'lm_head'"]),
     ({"enabled": True, "loss_reduction": "mean"}, ["'loss_reduction'", "'sample'", "'token'"]),
 ]
 
@@ -111,7 +112,7 @@ def test_curriculum_and_cluster_sampling_together_name_the_key_to_turn_off():
 # ------------------------------------------------------------------------------------------ planner
 def _plan(features: Optional[np.ndarray], config: ClusterSamplingConfig, world: int = 2, micro: int = 2,
           gas: int = 1, **inputs: Any):
-    return build_plan(features, config, world_size=world, micro_batch_size=micro,
+    return plan_of(features, config, world_size=world, micro_batch_size=micro,
                       gradient_accumulation_steps=gas, **inputs)
 
 
@@ -143,7 +144,8 @@ PLANNER_CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("cluster_per_rank with K != world", lambda: _plan(group_features(), enabled(num_clusters=4,
                                                                                  allocation="cluster_per_rank")),
      r"num_clusters must equal the world size: K=4, W=2; set num_clusters 'auto' or allocation 'stratified'"),
-    ("budget that keeps nothing", lambda: _plan(group_features(), enabled(num_clusters=4, budget_mode="min", budget_ratio=0.05)),
+    ("budget that keeps nothing",
+     lambda: _plan(group_features(), enabled(num_clusters=4, budget_mode="min", budget_ratio=0.05)),
      r"= 0 samples per cluster.*raise budget_ratio or lower num_clusters"),
     ("labels below -1", lambda: _plan(None, enabled(selection="random"), labels=np.array([0, 1, -2] * 10)),
      r"labels must be >= 0 \(or -1 to leave a sample out\); found -2"),
@@ -152,7 +154,7 @@ PLANNER_CASES: list[tuple[str, Callable[[], Any], str]] = [
      r"every sample is excluded .*nothing to train on"),
     ("micro batch 0", lambda: _plan(group_features(), enabled(num_clusters=4), micro=0),
      r"micro_batch_size must be an integer >= 1, got 0"),
-    ("neither features nor labels", lambda: _plan(None, enabled()), r"build_plan needs features, or labels"),
+    ("neither features nor labels", lambda: _plan(None, enabled()), r"a plan needs features, or labels"),
     ("labels only with the default neyman budget", lambda: _plan(None, enabled(selection="random", budget_ratio=0.5),
                                                                labels=np.array([0, 1] * 20)),
      r"budget_mode 'neyman' needs features .*labels only.*set budget_mode 'proportional', 'equal' or 'min'"),
@@ -301,7 +303,8 @@ def _hook_config(tmp_path: Path, **top: Any) -> dict:
 @pytest.mark.parametrize("data,message", [
     ([], r"training_data is empty \(0 samples\)"),
     (None, r"training_data is None"),
-    (iter(range(NUM_SAMPLES)), r"training_data must be a map-style dataset \(with len\(\) and \[i\]\); got range_iterator"),
+    (iter(range(NUM_SAMPLES)),
+     r"training_data must be a map-style dataset \(with len\(\) and \[i\]\); got range_iterator"),
 ], ids=["empty dataset", "no dataset", "iterable dataset"])
 def test_hook_refuses_missing_or_empty_training_data(tmp_path, data, message):
     with pytest.raises(ValueError, match=message):

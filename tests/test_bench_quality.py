@@ -95,7 +95,8 @@ def test_a_run_that_misses_the_gate_says_so_and_stops(tmp_path):
 
 
 def test_base_model_flag_reaches_the_job_spec(tmp_path):
-    """--base-model DIR is the checkpoint every arm loads; without it, stories260K, or the toy model with --synthetic."""
+    """--base-model DIR is the checkpoint every arm loads; without it, stories260K, or the toy model with
+    --synthetic."""
     from bench.real import STORIES260K_DIR
     from bench.toy.models import base_model_path
 
@@ -155,8 +156,9 @@ def test_real_data_arms_job_spec(tmp_path):
     arms = spec["arms"]
     assert [arm["name"] for arm in arms[:2]] == ["full_s0", "random_f0.3_s0"]  # the gate's arms first
     for method in ("full_cut", "random", "paper", "recommended", "oracle", "neardup"):
-        assert sorted((a["seed"], a["fraction"]) for a in arms if a["method"] == method and "steps" not in a["setting"]) \
-            == [(seed, fraction) for seed in range(4) for fraction in (0.3, 0.5)], method
+        taken = [a for a in arms if a["method"] == method and "steps" not in a["setting"]]
+        assert sorted((a["seed"], a["fraction"]) for a in taken) == [
+            (seed, fraction) for seed in range(4) for fraction in (0.3, 0.5)], method
     assert sorted(a["setting"] for a in arms if a.get("stretch")) == ["random_steps_f0.3"] * 4 + \
         ["recommended_steps_f0.3"] * 4
     analyses = spec["analyses"]
@@ -185,6 +187,28 @@ def test_real_data_arms_job_spec(tmp_path):
     sources = {a["source"]: a for a in spec["analyses"].values() if a.get("source")}
     assert set(sources) == {"own", "smollm2"}
     assert sources["smollm2"]["feature_max_length"] == SMOLLM2_FEATURE_MAX_LENGTH
+
+
+def test_the_job_spec_is_typed_and_its_gate_reads_its_arms_by_kind_not_by_place(tmp_path):
+    from dataclasses import replace
+
+    from bench.harness.spec import GateSpec, JobSpec
+
+    write_mixture(tmp_path / "data", seed=5, total=240, heldout_per_family=3)
+    settings = _settings(["--synthetic", "--data", str(tmp_path / "data"), "--work-dir", str(tmp_path / "work")])
+    written = _spec(settings)
+    spec = JobSpec.from_json(written)
+    assert spec.to_json() == written  # the job reads exactly what the parent wrote
+    assert [arm.method for arm in spec.arms[:2]] == ["full", "random"]
+    assert (spec.gate.full, spec.gate.random, spec.gate_after) == (spec.arms[0].name, spec.arms[1].name,
+                                                                   spec.arms[1].name)
+    shuffled = list(reversed(spec.arms))
+    gate = GateSpec.of(spec.gate.kind, shuffled, spec.gate.small_families, settings.seeds[0])
+    assert (gate.full, gate.random) == (spec.gate.full, spec.gate.random)
+    assert gate.after(shuffled) == spec.gate.full  # the later of the two in the new order
+    with pytest.raises(ValueError, match="needs a random arm"):
+        GateSpec.of(spec.gate.kind, [arm for arm in spec.arms if arm.method != "random"], [], settings.seeds[0])
+    assert replace(spec, launched_at=1.0).to_json()["launched_at"] == 1.0
 
 
 def test_gzipped_data_is_read_when_plain_is_absent(tmp_path):
@@ -282,9 +306,10 @@ def _kept(arm: dict, spec: dict, sizes: dict) -> int:
     `sizes` as every clustering's cluster sizes: a paper arm by its budget rule, any other by budget_samples."""
     from bench.harness.arms import Arm
     from bench.harness.job import resolve_arm
+    from bench.harness.spec import JobSpec
     from ds_cluster.planning.budget import cluster_budgets
 
-    block, _, kept = resolve_arm(Arm.from_json(arm), spec)
+    block, _, kept = resolve_arm(Arm.from_json(arm), JobSpec.from_json(spec))
     if arm["method"] != "paper":
         return kept
     return int(cluster_budgets(np.array(sizes[arm["analysis"]]), "min", block["budget_ratio"]).sum())
@@ -476,7 +501,8 @@ def test_real_goals_judge_worst_group_neardup_and_the_other_fraction_by_their_in
     assert met["recommended preset, 50% kept: macro answer loss below near-duplicate removal's (95% CI of the "
                "paired difference < 0)"]
     assert "recommended preset, 30% kept: macro answer loss no worse than random's beyond the noise" not in met
-    synthetic = evaluate_goals(summary, SimpleNamespace(instrument="synthetic", fractions=(0.3,), headline_fraction=0.3))
+    synthetic = evaluate_goals(summary, SimpleNamespace(instrument="synthetic", fractions=(0.3,),
+                                                        headline_fraction=0.3))
     assert not any("near-duplicate" in row["goal"] for row in synthetic)
 
 

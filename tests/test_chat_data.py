@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from ds_cluster.data.dataset import (IGNORE_INDEX, InstructionDataset, dataset_fingerprint, encode_example, encode_prompt,
-                                load_instruction_dataset, read_records, write_jsonl)
+from ds_cluster.data.dataset import (IGNORE_INDEX, InstructionDataset, dataset_fingerprint, encode_example,
+                                     encode_prompt, load_instruction_dataset, read_records, write_jsonl)
 from tests.fixtures.tokenizers import load_tokenizer, tiny_model_folder
 from tests.launching import REPO, check, run_single
 from tests.training import TRAIN

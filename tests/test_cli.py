@@ -137,6 +137,7 @@ def test_report_reads_the_records_the_analysis_was_made_of_and_says_why_when_it_
     import shutil
 
     from ds_cluster import ClusterSamplingConfig, analyze
+    from ds_cluster.analysis.compute import AnalysisOptions
     from ds_cluster.data.dataset import load_instruction_dataset, source_fingerprint
     from ds_cluster.data.models import load_model_and_tokenizer
 
@@ -145,7 +146,7 @@ def test_report_reads_the_records_the_analysis_was_made_of_and_says_why_when_it_
     model, tokenizer = load_model_and_tokenizer(small_job / "model")
     config = ClusterSamplingConfig(enabled=True, num_clusters=4, kmeans_n_init=1, feature_kind="proxy")
     analyze(model, load_instruction_dataset(data, tokenizer, max_length=64), tmp_path / "analysis", config,
-            batch_size=64, show_progress=False)
+            AnalysisOptions(batch_size=64, show_progress=False))
     manifest = json.loads((tmp_path / "analysis" / "manifest.json").read_text())
     assert manifest["data_source"] == {"path": str(data), "fingerprint": source_fingerprint(data)}
 
@@ -199,12 +200,14 @@ def test_train_runs_two_ranks_with_the_deepspeed_launcher(small_job: Path, tmp_p
     """A real ZeRO-3 run through `ds-cluster train`, and its --save-model folder holds the trained weights."""
     out, config = tmp_path / "run", REPO / "ds_configs" / "zero3.json"
     command = [sys.executable, "-m", "ds_cluster.cli", "train", "--deepspeed", str(config), "--nproc", "2", "--",
-               "--model", str(small_job / "model"), "--data", str(small_job / "train.jsonl"), "--analysis", str(small_job / "analysis"),
+               "--model", str(small_job / "model"), "--data", str(small_job / "train.jsonl"),
+               "--analysis", str(small_job / "analysis"),
                "--output-dir", str(out), "--max-length", "64", "--max-steps", "2", "--save-model", str(out / "model"),
                "--lr-schedule", "cosine"]
     result = check(subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300))
     # The printed command runs the packaged training script.
-    assert f"--module ds_cluster.train --deepspeed {config} --model {small_job / 'model'}" in result.stdout.splitlines()[0]
+    printed = result.stdout.splitlines()[0]
+    assert f"--module ds_cluster.train --deepspeed {config} --model {small_job / 'model'}" in printed
     summaries = [json.loads((out / f"summary_rank{rank}.json").read_text()) for rank in range(2)]
     assert [s["steps"] for s in summaries] == [2, 2]
     assert summaries[0]["parameter_digest"] == summaries[1]["parameter_digest"]

@@ -167,7 +167,8 @@ def test_tokenizer_round_trip_and_reload(tmp_path, tokenizer, mixture):
     assert tokenizer.decode(ids) == text
     # One token per character, except the three template headers.
     assert len(ids) < len(text) and tokenizer.unk_token_id not in ids
-    assert [tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id] == [0, 1, 2, 3]
+    specials = [tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id]
+    assert specials == [0, 1, 2, 3]
     assert build_tokenizer().get_vocab() == tokenizer.get_vocab()
 
     tokenizer.save_pretrained(tmp_path)
@@ -194,7 +195,8 @@ def test_instruction_dataset_masks_the_prompt(tokenizer, mixture):
         assert all(t.dtype == torch.int64 and t.shape == (96,) for t in item.values())
         length = int(item["attention_mask"].sum())
         assert item["attention_mask"][:length].all() and not item["attention_mask"][length:].any()
-        assert item["input_ids"][0] == tokenizer.bos_token_id and item["input_ids"][length - 1] == tokenizer.eos_token_id
+        assert item["input_ids"][0] == tokenizer.bos_token_id
+        assert item["input_ids"][length - 1] == tokenizer.eos_token_id
         assert (item["input_ids"][length:] == tokenizer.pad_token_id).all()
         labelled = item["labels"] != IGNORE_INDEX
         assert (item["labels"][labelled] == item["input_ids"][labelled]).all()

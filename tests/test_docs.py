@@ -1,6 +1,7 @@
 """The docs' claims read against the code: public names, the defaults table, the loss formulas."""
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import pkgutil
@@ -14,7 +15,7 @@ import torch
 import ds_cluster
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.loader.loss import weighted_lm_loss
-from ds_cluster.planning.plan import build_plan
+from tests.planning import plan_of
 from ds_cluster.loader.sampler import ClusterDataLoader
 from tests.launching import REPO
 
@@ -22,7 +23,11 @@ DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
 IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 DOTTED = re.compile(rf"^({IDENTIFIER}(?:\.{IDENTIFIER})+)(?:\(.*\))?$")
 # Packages the docs name that are not this one (`deepspeed.initialize` is DeepSpeed's, not integrations/deepspeed.py).
-OTHER_PACKAGES = {"deepspeed", "torch", "transformers", "trl", "datasets", "sklearn", "accelerate", "numpy", "sys"}
+OTHER_PACKAGES = {"deepspeed", "torch", "transformers", "trl", "datasets", "sklearn", "accelerate", "numpy", "sys",
+                  "axolotl", "llamafactory"}
+# Modules that import a fine-tuning frontend, which is not installed here (each has an environment of its own,
+# launch/frontend_env.sh): the names the docs give of them are read from their source instead.
+FRONTEND_MODULES = {"ds_cluster.integrations.axolotl", "ds_cluster.integrations.llamafactory"}
 
 
 def _backticked(path: Path) -> list[str]:
@@ -60,6 +65,8 @@ def _resolves(dotted: str, modules: dict[str, str]) -> bool:
         module_name = modules.get(".".join(parts[:split]))
         if module_name is None:
             continue
+        if module_name in FRONTEND_MODULES:
+            return _defined_in_source(module_name, parts[split:])
         module = importlib.import_module(module_name)
         # `plan.rank_schedule`: a method of an object of the module's class, as the docs write it of an instance.
         for target in [module] + [value for value in vars(module).values() if isinstance(value, type)]:
@@ -71,6 +78,21 @@ def _resolves(dotted: str, modules: dict[str, str]) -> bool:
                 return True
         return False
     return False
+
+
+def _defined_in_source(module_name: str, attributes: list[str]) -> bool:
+    """Whether a module's source defines `attributes` (a top-level name, then names in its class body)."""
+    scope = ast.parse((REPO / Path(*module_name.split("."))).with_suffix(".py").read_text()).body
+    for attribute in attributes:
+        defined = {node.name: node for node in scope if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+        for node in scope:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            defined.update({target.id: node for target in targets if isinstance(target, ast.Name)})
+        if attribute not in defined:
+            return False
+        scope = defined[attribute].body if isinstance(defined[attribute], ast.ClassDef) else []
+    return True
 
 
 def _doc_names() -> list[tuple[str, str]]:
@@ -149,13 +171,13 @@ def _step_losses(reduction: str) -> tuple[float, float]:
                for row in range(num_samples)]
     config = ClusterSamplingConfig(enabled=True, num_clusters=2, budget_mode="proportional", budget_ratio=0.5,
                                    loss_reduction=reduction)
-    plan = build_plan(None, config, world_size=1, micro_batch_size=3, gradient_accumulation_steps=2,
+    plan = plan_of(None, config, world_size=1, micro_batch_size=3, gradient_accumulation_steps=2,
                       labels=np.repeat([0, 1], [16, 8]))
     loader = ClusterDataLoader(dataset, plan, 0)
     logits = {index: torch.as_tensor(rng.normal(size=(length, vocab)), dtype=torch.float32)
               for index in range(num_samples)}
     accumulated, step_items = 0.0, []
-    for micro, batch in zip(range(2), loader):
+    for _micro, batch in zip(range(2), loader):
         batch_logits = torch.stack([logits[int(i)] for i in batch["sample_index"]])
         accumulated += float(weighted_lm_loss(batch_logits, batch["labels"], batch["sample_weight"],
                                               batch.get("loss_normalizer"))) / 2
@@ -236,3 +258,71 @@ def test_the_docs_list_the_rules_each_registry_holds():
     allowed = _allowed_column()
     for key, registry in RULE_REGISTRIES.items():
         assert [name.strip() for name in allowed[key].split(",")] == list(registry.names), key
+
+
+# ------------------------------------------------------------------------------------------ one home per figure
+# Every benchmark figure lives in docs/results.md; the other pages link to its sections (issue 55). Not held to
+# it: docs/changes.md (history: what each version measured then) and the README, whose table is checked against
+# its results files above and against docs/results.md below.
+INTERVAL = re.compile(r"[+-]?\d+\.\d+ ± \d+\.\d+")
+FIGURES_HOME = REPO / "docs" / "results.md"
+NOT_HOMES = [path for path in DOCS if path.parent.name == "docs" and path.name not in ("results.md", "changes.md")]
+NOT_HOMES.append(REPO / "bench" / "README.md")
+
+
+@pytest.mark.parametrize("page", NOT_HOMES, ids=lambda path: str(path.relative_to(REPO)))
+def test_only_docs_results_holds_interval_figures(page: Path):
+    copied = [(number, line.strip()) for number, line in enumerate(page.read_text().splitlines(), 1)
+              if INTERVAL.search(line)]
+    assert not copied, (f"{page.relative_to(REPO)}:{copied[0][0]} copies a benchmark figure "
+                        f"({INTERVAL.search(copied[0][1]).group()}): link to its section of docs/results.md instead")
+
+
+def _written_in(figure: str, text: str) -> bool:
+    """Whether `figure` ("0.019 ± 0.109", "-0.026 ± 0.023") is in `text` with the same sign; docs/results.md
+    writes positive differences with a "+"."""
+    unsigned = figure.lstrip("+")
+    sign = "" if unsigned.startswith("-") else r"\+?"
+    return re.search(r"(?<![\d.+-])" + sign + re.escape(unsigned) + r"(?!\d)", text) is not None
+
+
+def test_the_readmes_figures_have_their_home_in_docs_results():
+    home = FIGURES_HOME.read_text()
+    figures = INTERVAL.findall((REPO / "README.md").read_text())
+    assert figures, "the README's table lost its figures: this test would check nothing"
+    missing = [figure for figure in figures if not _written_in(figure, home)]
+    assert not missing, f"the README's {missing} are not in docs/results.md, the figures' one home"
+
+
+def _slugs(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to hyphens, a repeat
+    numbered -1, -2, ...; lines in fenced code are not headings."""
+    slugs, seen, fenced = set(), {}, False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or not re.match(r"#{1,6} ", line):
+            continue
+        slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        slugs.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return slugs
+
+
+def _section_links() -> list[tuple[str, str, str]]:
+    links = []
+    for page in DOCS + [REPO / "bench" / "README.md"]:
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md)?#([\w-]+)\)", page.read_text()):
+            links.append((str(page.relative_to(REPO)), target or page.name, anchor))
+    return links
+
+
+def test_the_pages_link_to_docs_results_sections():
+    assert sum(target.endswith("results.md") for _, target, _ in _section_links()) >= 10
+
+
+@pytest.mark.parametrize("page,target,anchor", _section_links(), ids=lambda value: str(value)[:50])
+def test_every_link_to_a_section_finds_its_heading(page: str, target: str, anchor: str):
+    linked = ((REPO / page).parent / target).resolve()
+    assert linked.exists(), f"{page} links to {target}, which does not exist"
+    assert anchor in _slugs(linked), f"{page} links to {target}#{anchor}, a heading {target} does not have"

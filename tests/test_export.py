@@ -12,7 +12,8 @@ import datasets
 import numpy as np
 import pytest
 
-from ds_cluster import ClusterSamplingConfig, build_plan
+from ds_cluster import ClusterSamplingConfig
+from tests.planning import plan_of
 from ds_cluster.cli import main
 from ds_cluster.data.dataset import read_jsonl
 from ds_cluster.report.export import export_subset, manifest_path
@@ -29,7 +30,7 @@ def plan_and_records():
     records = [{"instruction": f"task {i}", "output": str(i), "nested": {"tags": [i % 3]}} for i in range(100)]
     config = ClusterSamplingConfig(enabled=True, num_clusters=2, budget_mode="proportional", budget_ratio=0.3,
                                    kmeans_n_init=2)
-    plan = build_plan(features, config, world_size=2, micro_batch_size=2, gradient_accumulation_steps=1,
+    plan = plan_of(features, config, world_size=2, micro_batch_size=2, gradient_accumulation_steps=1,
                       exclude=~np.any(features != 0, axis=1))
     return plan, records
 

@@ -96,6 +96,33 @@ def test_chunked_softmax_gives_the_unchunked_features(model, dataset, kind):
         np.testing.assert_allclose(chunked, whole, atol=1e-5, rtol=0)
 
 
+def _hidden_reference(model, sample: dict) -> np.ndarray:
+    """RDS+'s representation computed directly: the last hidden layer (after the final norm, what the output layer
+    reads) of the attended positions, weighted (i + 1) / sum_j (j + 1) by their place i, then L2-normalised."""
+    attended = sample["attention_mask"].bool()
+    states = model(input_ids=sample["input_ids"][None], attention_mask=sample["attention_mask"][None],
+                   output_hidden_states=True).hidden_states[-1][0][attended].double()
+    place = torch.arange(1, states.shape[0] + 1, dtype=torch.float64)
+    pooled = (place[:, None] * states).sum(0) / place.sum()
+    return (pooled / pooled.norm()).detach().numpy()
+
+
+def test_hidden_is_the_position_weighted_mean_of_the_last_hidden_layer(model, dataset):
+    result = run_extraction(model, dataset, kind="hidden", show_progress=False, batch_size=5)
+    reference = np.stack([_hidden_reference(model, sample) for sample in dataset])
+    assert result.features.shape == (len(dataset), HIDDEN) and result.dim == HIDDEN
+    cosines = (result.features * reference).sum(axis=1) / np.linalg.norm(result.features, axis=1)
+    assert cosines.min() >= 0.9999, cosines
+    np.testing.assert_allclose(np.linalg.norm(result.features, axis=1), 1.0, atol=1e-5)
+    # Not the plain mean: the weights rise with the position.
+    plain = np.stack([model(input_ids=s["input_ids"][None], attention_mask=s["attention_mask"][None],
+                            output_hidden_states=True).hidden_states[-1][0][s["attention_mask"].bool()].mean(0)
+                      .detach().numpy() for s in dataset])
+    assert not np.allclose(result.features, plain / np.linalg.norm(plain, axis=1, keepdims=True), atol=1e-3)
+    with pytest.raises(ValueError, match="hidden size"):
+        run_extraction(model, dataset, kind="hidden", dim=16, show_progress=False)
+
+
 def test_lm_head_projection_preserves_inner_products(model):
     """Johnson-Lindenstrauss check at dim 1024 of the 64 x 32 = 2048-value gradient.
 
@@ -130,7 +157,7 @@ def test_projection_is_seeded_and_factored():
 
 def test_samples_without_response_tokens_get_zero_rows(model):
     samples = token_dataset(9, seed=2, empty=[0, 4])
-    for kind in ("proxy", "lm_head"):
+    for kind in ("proxy", "lm_head", "hidden"):
         result = run_extraction(model, samples, kind=kind, dim=64 if kind == "lm_head" else None,
                                 show_progress=False, batch_size=4)
         assert np.isfinite(result.features).all()
@@ -208,7 +235,8 @@ def test_the_output_matrix_read_a_block_of_rows_at_a_time_gives_the_whole_matrix
     torch.testing.assert_close(blocked.logits(hidden), reference, rtol=1e-6, atol=1e-5)
     assert blocked.logits(hidden).dtype == torch.float32
     coefficients = torch.softmax(reference, dim=-1)
-    torch.testing.assert_close(blocked.input_gradient(coefficients), coefficients @ weight.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(blocked.input_gradient(coefficients), coefficients @ weight.float(), rtol=1e-5,
+                               atol=1e-6)
     # A float32 matrix is read in place: a block is a view of it, not a copy.
     weight32 = weight.float()
     assert OutputMatrix(weight32, block_elements=16 * 7).weight[0:7].float().data_ptr() == weight32.data_ptr()

@@ -1,5 +1,6 @@
 """Features through real DeepSpeed engines: ZeRO-0 single process vs ZeRO-3 on 2 ranks, and crash-resume; the
-model carries LoRA adapters (peft), so the lora kind's backward runs under ZeRO-3 too."""
+model carries LoRA adapters (peft), so the lora kind's backward runs under ZeRO-3 too, and the hidden kind reads the
+forward of a PEFT model."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from tests.launching import check, run_mpirun, run_single
 pytestmark = pytest.mark.integration
 
 WORKER = "tests/workers/extract_worker.py"
-KINDS = ("proxy", "lm_head", "lora")
+KINDS = ("proxy", "lm_head", "lora", "hidden")
 LORA = ("--lora", "4")
 
 
@@ -37,7 +38,7 @@ def test_zero0_single_process_matches_zero3_two_ranks(zero3_run, tmp_path):
         single, rank0, rank1 = _load(tmp_path, kind), _load(zero3_run, kind, 0), _load(zero3_run, kind, 1)
         np.testing.assert_array_equal(rank0["features"], rank1["features"])  # identical on every rank
         np.testing.assert_allclose(rank0["features"], single["features"], atol=1e-4, rtol=0)
-        assert single["features"].shape == (40, 32 if kind == "proxy" else 256)
+        assert single["features"].shape == (40, 32 if kind in ("proxy", "hidden") else 256)
         assert rank0["empty_mask"].nonzero()[0].tolist() == [5] and not rank0["features"][5].any()
         assert rank0["computed"].tolist() == [0, 1, 2, 3, 4]
     # The model fingerprint does not depend on the ZeRO stage or the world size.

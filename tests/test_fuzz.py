@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ds_cluster.config import ClusterSamplingConfig
-from ds_cluster.planning.plan import Plan, build_plan
+from ds_cluster.planning.plan import Plan
+from tests.planning import plan_of
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -130,7 +131,7 @@ def test_planner_gives_a_sound_plan_or_a_value_error(setting: dict, inputs: dict
     try:
         config = ClusterSamplingConfig.from_dict({"enabled": True, "kmeans_n_init": 1, "kmeans_max_iter": 20,
                                                   **setting})
-        plan = build_plan(inputs["features"], config, world_size=inputs["world_size"],
+        plan = plan_of(inputs["features"], config, world_size=inputs["world_size"],
                           micro_batch_size=inputs["micro_batch_size"],
                           gradient_accumulation_steps=inputs["gradient_accumulation_steps"],
                           labels=inputs["labels"], exclude=inputs["exclude"])

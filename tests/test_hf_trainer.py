@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_cluster import ClusterSamplingConfig, Plan, build_plan
+from ds_cluster import ClusterSamplingConfig, Plan
+from tests.planning import plan_of_inputs
 from ds_cluster.analysis.folder import AnalysisDir
 from ds_cluster.integrations.hf import SAMPLER_STATE_FILE, ClusterTrainer
 from tests.launching import REPO, check, run_deepspeed, run_mpirun, shm_buffers
@@ -43,10 +44,9 @@ def expected_plan(small_job: Path, trainer_config: Path, uninterrupted_run: Path
     num_samples = sum(1 for _ in (small_job / "train.jsonl").open())
     inputs = AnalysisDir(config.analysis_path).load_inputs(num_samples)
     ds_config = json.loads(trainer_config.read_text())
-    return build_plan(config=config, world_size=WORLD,
-                      micro_batch_size=ds_config["train_micro_batch_size_per_gpu"],
-                      gradient_accumulation_steps=ds_config["gradient_accumulation_steps"],
-                      **inputs.plan_arguments())
+    return plan_of_inputs(inputs, config, world_size=WORLD,
+                          micro_batch_size=ds_config["train_micro_batch_size_per_gpu"],
+                          gradient_accumulation_steps=ds_config["gradient_accumulation_steps"])
 
 
 def worker_args(job: Path, config: Path, out: Path, *extra: str) -> list[str]:

@@ -1,7 +1,9 @@
-"""The DeepSpeed hook end to end: real launchers (deepspeed, mpirun), 2 ranks on CPU, ZeRO 0-3, fp32/bf16, exact resume."""
+"""The DeepSpeed hook end to end: real launchers (deepspeed, mpirun), 2 ranks on CPU, ZeRO 0-3, fp32/bf16, exact
+resume, and the block disabled (plain DeepSpeed)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -135,7 +137,8 @@ def test_analysis_of_other_data_fails_on_every_rank(small_job, tmp_path):
     point_elsewhere(config)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(config))
-    args = [*TRAIN, "--deepspeed", str(path), "--model", str(small_job / "model"), "--data", str(small_job / "train.jsonl"),
+    args = [*TRAIN, "--deepspeed", str(path), "--model", str(small_job / "model"),
+            "--data", str(small_job / "train.jsonl"),
             "--output-dir", str(tmp_path / "out"), "--max-length", "64"]
     result = run_mpirun(args, timeout=240)
     output = result.stdout + result.stderr
@@ -171,3 +174,31 @@ def test_without_the_block_deepspeed_is_unchanged(small_job, tmp_path):
     )
     result = check(run_single([str(script)], timeout=240))
     assert "PLAIN-OK" in result.stdout
+
+
+def test_training_script_with_the_block_disabled_is_plain_deepspeed(small_job, tmp_path):
+    """The run a user makes first, to compare: the same script and config with `"enabled": false` trains on
+    DeepSpeed's own loader (every record once per epoch, split over the ranks), with no analysis and no plan."""
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    config["data_efficiency"]["data_sampling"]["cluster_sampling"]["enabled"] = False
+    path = tmp_path / "disabled.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "out"
+    args = train_args(small_job, "zero2.json", out, "--epochs", "1")
+    args[args.index("--deepspeed") + 1] = str(path)
+    args[args.index("--analysis") + 1] = str(tmp_path / "analysis")
+    check(run_deepspeed(args, timeout=300))
+    records = len((small_job / "train.jsonl").read_text().splitlines())
+    micro_batches = math.ceil(math.ceil(records / 2) / config["train_micro_batch_size_per_gpu"])  # DistributedSampler's
+    steps = micro_batches // config["gradient_accumulation_steps"]
+    summaries = [json.loads((out / f"summary_rank{rank}.json").read_text()) for rank in range(2)]
+    assert [summary["steps"] for summary in summaries] == [steps, steps]
+    assert summaries[0]["parameter_digest"] == summaries[1]["parameter_digest"]
+    assert summaries[0]["analysis_timings"] == {}
+    assert not (out / "plan").exists() and not (tmp_path / "analysis").exists()
+    for rank in range(2):
+        trace = read_trace(out, rank)
+        assert len(trace) == steps * config["gradient_accumulation_steps"]
+        assert all(record["indices"] is None for record in trace), "a batch carried ds_cluster's sample_index"
+        losses = [record["loss"] for record in trace]
+        assert np.mean(losses[-4:]) < np.mean(losses[:4]), losses

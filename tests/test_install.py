@@ -1,4 +1,5 @@
-"""install()/uninstall() and DeepSpeed versions: a warning outside the tested range, an error only for what is missing."""
+"""install()/uninstall() and DeepSpeed versions: a warning outside the tested range, an error only for what is
+missing."""
 from __future__ import annotations
 
 import logging
@@ -47,7 +48,8 @@ def test_a_version_outside_the_tested_range_gets_one_warning_not_an_error(versio
 
 @pytest.mark.parametrize("missing,named", [("initialize", "deepspeed.initialize"),
                                            ("save_checkpoint", "DeepSpeedEngine.save_checkpoint"),
-                                           ("gradient_accumulation_steps", "DeepSpeedEngine.gradient_accumulation_steps")])
+                                           ("gradient_accumulation_steps",
+                                            "DeepSpeedEngine.gradient_accumulation_steps")])
 def test_something_the_hook_needs_missing_is_an_error_naming_it(missing, named):
     with pytest.raises(RuntimeError, match=rf"cannot hook this DeepSpeed \(0.21.0\): it has no {named}\b"):
         hook.check_deepspeed(_fake_deepspeed("0.21.0", **{missing: True}))

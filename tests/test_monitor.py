@@ -31,7 +31,8 @@ def test_figures_count_per_cluster_over_ranks_and_reset_the_loss_each_report():
 def test_figures_are_named_for_the_monitors_and_the_trainer_log():
     figures = {"train_loss": [0.5, None], "samples": [3, 0]}
     assert figure_events(figures, None, 64) == [
-        ("Train/Samples/ds_cluster/cluster_0/train_loss", 0.5, 64), ("Train/Samples/ds_cluster/cluster_0/samples", 3.0, 64),
+        ("Train/Samples/ds_cluster/cluster_0/train_loss", 0.5, 64),
+        ("Train/Samples/ds_cluster/cluster_0/samples", 3.0, 64),
         ("Train/Samples/ds_cluster/cluster_1/samples", 0.0, 64)]
     assert figure_logs(figures, [0.25, 0.75]) == {"cluster_0/train_loss": 0.5, "cluster_0/samples": 3.0,
                                                   "cluster_0/share": 0.25, "cluster_1/samples": 0.0,

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from bench.real import STORIES260K_DIR, T0_DIR
-from ds_cluster import ClusterSamplingConfig, build_plan
+from ds_cluster import ClusterSamplingConfig
+from tests.planning import plan_of
 from ds_cluster.clustering.kmeans import cluster_features
 from ds_cluster.data.dataset import InstructionDataset, PAD_MULTIPLE, read_records, trim_padding_collate
 from ds_cluster.data.models import load_model_and_tokenizer
@@ -62,7 +63,7 @@ def test_the_features_pass_pads_to_the_longest_row_and_changes_no_cluster(storie
               for features in (full, padded)]
     np.testing.assert_array_equal(labels[0], labels[1])
     config = ClusterSamplingConfig(enabled=True, num_clusters=4, budget_ratio=0.5, kmeans_n_init=4)
-    plans = [build_plan(features, config, world_size=2, micro_batch_size=4, gradient_accumulation_steps=1)
+    plans = [plan_of(features, config, world_size=2, micro_batch_size=4, gradient_accumulation_steps=1)
              for features in (full, padded)]
     assert plans[0].selected.tolist() == plans[1].selected.tolist()
 
@@ -100,7 +101,7 @@ def test_the_hooks_loader_without_a_collate_fn_pads_each_micro_batch_to_its_long
     _, dataset = stories_on_t0
     config = ClusterSamplingConfig(enabled=True, num_clusters=2, budget_mode="proportional", budget_ratio=0.5,
                                    selection="random", loss_reduction="sample")
-    plan = build_plan(None, config, world_size=1, micro_batch_size=8, gradient_accumulation_steps=1,
+    plan = plan_of(None, config, world_size=1, micro_batch_size=8, gradient_accumulation_steps=1,
                       labels=np.arange(len(dataset)) % 2)
     for batch in ClusterDataLoader(dataset, plan, 0):
         longest = int(batch["attention_mask"].sum(dim=1).max())

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from sklearn.cluster import KMeans
 
-from ds_cluster import ClusterSamplingConfig, build_plan
+from ds_cluster import ClusterSamplingConfig
+from tests.planning import plan_of
 
 
 def reference_selection(features: np.ndarray, world_size: int, ratio: float, seed: int, alpha: float = 1.5,
@@ -82,7 +83,7 @@ def test_paper_preset_keeps_exactly_what_the_reference_keeps(sizes, world_size, 
     kmeans_sizes = np.bincount(KMeans(n_clusters=world_size, n_init=10, random_state=seed).fit(features).labels_)
     assert (kmeans_sizes.max() > capacity) == binds  # the case really exercises (or not) the cap
     config = ClusterSamplingConfig(enabled=True, preset="paper", budget_ratio=ratio, seed=seed)
-    plan = build_plan(features, config, world_size=world_size, micro_batch_size=1, gradient_accumulation_steps=1)
+    plan = plan_of(features, config, world_size=world_size, micro_batch_size=1, gradient_accumulation_steps=1)
     assert same_up_to_renaming(plan.labels, labels)
     assert plan.selected.tolist() == selected.tolist()
     np.testing.assert_allclose(plan.weights[plan.selected], weights, rtol=1e-12)
@@ -91,6 +92,7 @@ def test_paper_preset_keeps_exactly_what_the_reference_keeps(sizes, world_size, 
 @pytest.mark.parametrize("sizes,world_size,ratio,binds", CASES[2:4], ids=["cap binds r1", "cap binds r0.5"])
 def test_the_same_through_an_analysis_folder(tmp_path, sizes, world_size, ratio, binds):
     """What the hook does: the analysis records labels, k-means centres and distances; the plan reads them."""
+    from ds_cluster import BatchShape, build_plan, cluster_samples
     from ds_cluster.analysis.folder import AnalysisDir
     from ds_cluster.clustering.kmeans import cluster_features
 
@@ -101,8 +103,8 @@ def test_the_same_through_an_analysis_folder(tmp_path, sizes, world_size, ratio,
         "features.npy": features, "labels.npy": clusters.labels, "distances.npy": clusters.distances,
         "centroids.npy": clusters.centroids}, {}, {})
     inputs = AnalysisDir(tmp_path / "analysis").load_inputs(len(features))
-    plan = build_plan(config=config, world_size=world_size, micro_batch_size=1, gradient_accumulation_steps=1,
-                      **inputs.plan_arguments())
+    plan = build_plan(cluster_samples(inputs, config.stages().clustering, world_size), config,
+                      BatchShape(world_size, 1, 1))
     labels, selected, weights = reference_selection(features, world_size, ratio, seed=7)
     assert same_up_to_renaming(plan.labels, labels)
     assert plan.selected.tolist() == selected.tolist()

@@ -11,11 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ds_cluster import ClusterSamplingConfig, Plan, build_plan
+from ds_cluster import ClusterSamplingConfig, Plan
+from tests.planning import plan_of
 from ds_cluster.planning.allocation import batch_quotas
 from ds_cluster.clustering.kmeans import cluster_features
 from ds_cluster.planning.budget import apportion, cluster_budgets
-from ds_cluster.planning.selection import select_in_clusters
+from ds_cluster.planning.selection import SelectionInputs, select_in_clusters
 from ds_cluster.planning.weights import sample_weights
 
 
@@ -102,11 +103,12 @@ def test_peripheral_core_and_norm_keep_what_their_names_say():
     distances = np.array([0.1, 0.9, 0.5, 0.7, 3.0, 1.0, 2.0])
     norms = np.array([5.0, 1.0, 2.0, 9.0, 0.5, 0.7, 0.6])
     kept = np.array([2, 1])
-    assert select_in_clusters(labels, kept, "peripheral", distances=distances).tolist() == [1, 3, 4]
-    assert select_in_clusters(labels, kept, "core", distances=distances).tolist() == [0, 2, 5]
-    assert select_in_clusters(labels, kept, "norm", norms=norms).tolist() == [0, 3, 5]
-    assert select_in_clusters(labels, np.array([3, 1]), "mix", distances=distances).tolist() == [0, 1, 3, 4]
-    random_pick = select_in_clusters(labels, kept, "random", seed=3)
+    assert select_in_clusters(labels, kept, "peripheral", SelectionInputs(distances=distances)).tolist() == [1, 3, 4]
+    assert select_in_clusters(labels, kept, "core", SelectionInputs(distances=distances)).tolist() == [0, 2, 5]
+    assert select_in_clusters(labels, kept, "norm", SelectionInputs(norms=norms)).tolist() == [0, 3, 5]
+    mixed = select_in_clusters(labels, np.array([3, 1]), "mix", SelectionInputs(distances=distances))
+    assert mixed.tolist() == [0, 1, 3, 4]
+    random_pick = select_in_clusters(labels, kept, "random", SelectionInputs(seed=3))
     assert len(random_pick) == 3 and (np.bincount(labels[random_pick]) == kept).all()
 
 
@@ -114,8 +116,9 @@ def test_spread_takes_every_quantile_of_the_distance():
     labels = np.zeros(10, dtype=np.int64)
     distances = np.arange(10, dtype=np.float64)[::-1]  # sample 9 is the most central, sample 0 the farthest
     # Ordered by distance: 9, 8, ..., 0; the middles of 5 slices of 2 are positions 1, 3, 5, 7, 9.
-    assert select_in_clusters(labels, np.array([5]), "spread", distances=distances).tolist() == [0, 2, 4, 6, 8]
-    assert select_in_clusters(labels, np.array([1]), "spread", distances=distances).tolist() == [4]
+    spread = select_in_clusters(labels, np.array([5]), "spread", SelectionInputs(distances=distances))
+    assert spread.tolist() == [0, 2, 4, 6, 8]
+    assert select_in_clusters(labels, np.array([1]), "spread", SelectionInputs(distances=distances)).tolist() == [4]
 
 
 def test_kcenter_covers_the_cluster_greedily_from_its_centre():
@@ -124,15 +127,15 @@ def test_kcenter_covers_the_cluster_greedily_from_its_centre():
     points = np.array([[0.0], [10.0], [-6.0], [5.0], [1.0]], dtype=np.float32)
     labels = np.zeros(5, dtype=np.int64)
     distances = np.abs(points[:, 0]).astype(np.float64)
-    chosen = select_in_clusters(labels, np.array([3]), "kcenter", distances=distances, features=points)
+    chosen = select_in_clusters(labels, np.array([3]), "kcenter", SelectionInputs(distances=distances, features=points))
     assert chosen.tolist() == [0, 1, 2]
     with pytest.raises(ValueError, match="'kcenter' needs the features"):
-        select_in_clusters(labels, np.array([3]), "kcenter", distances=distances)
+        select_in_clusters(labels, np.array([3]), "kcenter", SelectionInputs(distances=distances))
 
 
 def test_peripheral_plan_keeps_farthest_from_centroid():
     features, _ = blobs([80, 40, 30])
-    plan = build_plan(features, config(num_clusters=3, budget_ratio=0.5, capacity_factor=None),
+    plan = plan_of(features, config(num_clusters=3, budget_ratio=0.5, capacity_factor=None),
                       world_size=1, micro_batch_size=1, gradient_accumulation_steps=1)
     for cluster in range(3):
         members = np.flatnonzero(plan.labels == cluster)
@@ -154,7 +157,7 @@ def test_capacity_cap_bounds_every_cluster():
 # ----------------------------------------------------------------- weights
 def test_weights_keep_the_full_distribution():
     features, _ = blobs([300, 120, 50, 30])
-    plan = build_plan(features, config(num_clusters=4, budget_ratio=0.8, capacity_factor=None),
+    plan = plan_of(features, config(num_clusters=4, budget_ratio=0.8, capacity_factor=None),
                       world_size=2, micro_batch_size=2, gradient_accumulation_steps=1)
     total = plan.weights.sum()
     for cluster in range(4):
@@ -167,15 +170,16 @@ def test_weights_keep_the_full_distribution():
 
 def test_weighting_none_gives_unit_weights():
     features, _ = blobs([60, 20])
-    plan = build_plan(features, config(num_clusters=2, weighting="none"), world_size=1,
+    plan = plan_of(features, config(num_clusters=2, weighting="none"), world_size=1,
                       micro_batch_size=2, gradient_accumulation_steps=1)
     assert (plan.weights[plan.selected] == 1.0).all()
 
 
 def test_paper_weight_per_rank_is_k_n_r_over_n():
     features, _ = blobs([90, 50, 30])
-    cfg = ClusterSamplingConfig.from_dict({"enabled": True, "preset": "paper", "kmeans_n_init": 2, "capacity_factor": None})
-    plan = build_plan(features, cfg, world_size=3, micro_batch_size=2, gradient_accumulation_steps=2)
+    cfg = ClusterSamplingConfig.from_dict({"enabled": True, "preset": "paper", "kmeans_n_init": 2,
+                                           "capacity_factor": None})
+    plan = plan_of(features, cfg, world_size=3, micro_batch_size=2, gradient_accumulation_steps=2)
     schedule = plan.epoch_layout(0)
     for rank in range(3):
         indices = schedule[:, rank].ravel()
@@ -196,7 +200,7 @@ def test_schedule_by_hand_stratified():
     # Two categories 6 and 2, everything kept, one rank, micro 2, gas 2: B = 4, S = 8 -> 2 steps,
     # each step holds 3 of category 0 and 1 of category 1.
     labels = np.array([0, 0, 0, 1, 0, 0, 0, 1])
-    plan = build_plan(None, config(selection="random", budget_mode="proportional"), world_size=1, micro_batch_size=2,
+    plan = plan_of(None, config(selection="random", budget_mode="proportional"), world_size=1, micro_batch_size=2,
                       gradient_accumulation_steps=2, labels=labels)
     schedule = plan.epoch_layout(0)
     assert schedule.shape == (2, 1, 2, 2)
@@ -208,7 +212,7 @@ def test_schedule_by_hand_stratified():
 def test_cluster_per_rank_rank_sees_only_its_cluster_and_epochs_differ_in_order():
     features, _ = blobs([40, 40])
     cfg = ClusterSamplingConfig.from_dict({"enabled": True, "preset": "paper", "kmeans_n_init": 2, "seed": 3})
-    plan = build_plan(features, cfg, world_size=2, micro_batch_size=4, gradient_accumulation_steps=1)
+    plan = plan_of(features, cfg, world_size=2, micro_batch_size=4, gradient_accumulation_steps=1)
     first, second = plan.epoch_layout(0), plan.epoch_layout(1)
     for rank in range(2):
         assert (plan.labels[first[:, rank].ravel()] == rank).all()
@@ -218,7 +222,7 @@ def test_cluster_per_rank_rank_sees_only_its_cluster_and_epochs_differ_in_order(
 
 def test_stratified_epochs_same_content_when_batches_divide():
     labels = np.repeat(np.arange(4), [40, 20, 12, 8])
-    plan = build_plan(None, config(selection="random", budget_mode="proportional"), world_size=2, micro_batch_size=2,
+    plan = plan_of(None, config(selection="random", budget_mode="proportional"), world_size=2, micro_batch_size=2,
                       gradient_accumulation_steps=2, labels=labels)
     assert plan.num_kept % plan.global_batch_size == 0
     first, second = plan.epoch_layout(0), plan.epoch_layout(1)
@@ -228,7 +232,7 @@ def test_stratified_epochs_same_content_when_batches_divide():
 
 def test_stratified_tail_differs_between_epochs():
     labels = np.repeat(np.arange(3), [50, 23, 10])  # 83 kept, B = 8: 10 steps, 3 dropped
-    plan = build_plan(None, config(selection="random", budget_mode="proportional"), world_size=2, micro_batch_size=2,
+    plan = plan_of(None, config(selection="random", budget_mode="proportional"), world_size=2, micro_batch_size=2,
                       gradient_accumulation_steps=2, labels=labels)
     used = [set(plan.epoch_layout(epoch).ravel().tolist()) for epoch in range(4)]
     assert all(len(u) == 80 for u in used)
@@ -258,7 +262,7 @@ def test_plan_properties(inputs):
     features, categories = blobs(sizes, seed=seed % 97)
     cfg = config(budget_mode=mode, budget_ratio=ratio, selection=selection, seed=seed)
     try:
-        plan = build_plan(features, cfg, world_size=world, micro_batch_size=micro,
+        plan = plan_of(features, cfg, world_size=world, micro_batch_size=micro,
                           gradient_accumulation_steps=gas, labels=categories)
     except ValueError as err:
         assert "no sample" in str(err) or "smaller than one global batch" in str(err)
@@ -305,11 +309,12 @@ def test_quotas_rows_sum_to_batch_and_never_overdraw(kept, batch):
 # ------------------------------------------------------------- determinism
 _DETERMINISM_SCRIPT = """
 import json, sys, numpy as np
-from ds_cluster import ClusterSamplingConfig, build_plan
+from ds_cluster import ClusterSamplingConfig
+from tests.planning import plan_of
 rng = np.random.default_rng(11)
 features = np.concatenate([rng.normal(i * 5, 1, (n, 6)) for i, n in enumerate([200, 90, 40, 25])]).astype(np.float32)
 cfg = ClusterSamplingConfig(enabled=True, num_clusters=4, budget_ratio=0.7, seed=int(sys.argv[1]))
-plan = build_plan(features, cfg, world_size=2, micro_batch_size=3, gradient_accumulation_steps=2)
+plan = plan_of(features, cfg, world_size=2, micro_batch_size=3, gradient_accumulation_steps=2)
 print(json.dumps({"fingerprint": plan.fingerprint(), "schedule": plan.epoch_layout(1).ravel().tolist()}))
 """
 
@@ -328,7 +333,7 @@ def test_same_inputs_same_plan_in_two_processes_and_seed_changes_order():
 
 def test_save_and_load_round_trip(tmp_path):
     features, _ = blobs([50, 30])
-    plan = build_plan(features, config(num_clusters=2), world_size=2, micro_batch_size=2, gradient_accumulation_steps=1)
+    plan = plan_of(features, config(num_clusters=2), world_size=2, micro_batch_size=2, gradient_accumulation_steps=1)
     plan.save(tmp_path / "plan")
     loaded = Plan.load(tmp_path / "plan")
     assert loaded.fingerprint() == plan.fingerprint()
@@ -359,7 +364,7 @@ def test_bad_input_is_a_clear_value_error(features, labels, kwargs, message):
     world, micro, gas = kwargs.pop("world", 2), kwargs.pop("micro", 1), kwargs.pop("gas", 1)
     cfg = config(**kwargs)
     with pytest.raises(ValueError, match=message):
-        build_plan(features, cfg, world_size=world, micro_batch_size=micro, gradient_accumulation_steps=gas,
+        plan_of(features, cfg, world_size=world, micro_batch_size=micro, gradient_accumulation_steps=gas,
                    labels=labels)
 
 
@@ -432,7 +437,7 @@ def test_left_out_samples_get_no_weight_and_no_slot():
     labels = np.array([0, 0, -1, 1, 1, 0, 1, 0])
     exclude = np.zeros(8, dtype=bool)
     exclude[5] = True
-    plan = build_plan(None, config(selection="random", budget_mode="proportional"), world_size=1,
+    plan = plan_of(None, config(selection="random", budget_mode="proportional"), world_size=1,
                       micro_batch_size=1, gradient_accumulation_steps=1, labels=labels, exclude=exclude)
     assert plan.labels[2] == -1 and plan.labels[5] == -1
     assert plan.weights[2] == 0 and plan.weights[5] == 0
@@ -454,7 +459,7 @@ def test_each_rank_builds_exactly_its_part_of_the_schedule(world, micro, accumul
              {"num_clusters": num_clusters, "budget_mode": "proportional", "budget_ratio": ratio,
               "selection": "random", "allocation": "stratified"})
     try:
-        plan = build_plan(None, ClusterSamplingConfig(enabled=True, seed=seed, **{**block, "selection": "random"}),
+        plan = plan_of(None, ClusterSamplingConfig(enabled=True, seed=seed, **{**block, "selection": "random"}),
                           world_size=world, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
                           labels=labels)
     except ValueError:

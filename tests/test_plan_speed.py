@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ds_cluster.planning.selection import _first_in_order, _stable_argsort, k_center_greedy, select_in_clusters
+from ds_cluster.planning.selection import (SelectionInputs, _first_in_order, _stable_argsort, k_center_greedy,
+                                          select_in_clusters)
 
 STRATEGIES = ("random", "peripheral", "core", "mix", "norm", "spread", "kcenter")
 
@@ -76,7 +77,8 @@ def test_fast_selection_is_the_sort_based_definition(inputs, strategy):
     labels, kept, distances, norms, features, seed = inputs
     if strategy == "kcenter":
         distances = np.nan_to_num(distances, nan=9.0)  # k-centre starts from a real distance
-    fast = select_in_clusters(labels, kept, strategy, distances=distances, norms=norms, features=features, seed=seed)
+    fast = select_in_clusters(labels, kept, strategy,
+                              SelectionInputs(distances=distances, norms=norms, features=features, seed=seed))
     assert fast.dtype == np.int64
     assert np.array_equal(fast, _by_definition(labels, kept, strategy, distances, norms, features, seed))
 
@@ -89,7 +91,7 @@ def test_random_selection_at_scale_is_the_sort_based_definition():
     labels[rng.random(labels.size) < 0.05] = -1
     counts = np.bincount(labels[labels >= 0], minlength=40)
     kept = np.maximum(counts // 2, 1)
-    fast = select_in_clusters(labels, kept, "random", seed=9)
+    fast = select_in_clusters(labels, kept, "random", SelectionInputs(seed=9))
     assert np.array_equal(fast, _by_definition(labels, kept, "random", None, None, None, seed=9))
     assert (np.bincount(labels[fast], minlength=40) == kept).all()
 
@@ -106,7 +108,7 @@ def test_random_selection_with_many_clusters_and_few_bins(monkeypatch):
     expected = _by_definition(labels, kept, "random", None, None, None, seed=5)
     for max_cells in (1 << 22, 4096, 301, 1):
         monkeypatch.setattr(selection, "_MAX_HISTOGRAM", max_cells)
-        assert np.array_equal(select_in_clusters(labels, kept, "random", seed=5), expected)
+        assert np.array_equal(select_in_clusters(labels, kept, "random", SelectionInputs(seed=5)), expected)
 
 
 @settings(max_examples=200, deadline=None)
@@ -130,8 +132,8 @@ def test_kcenter_never_picks_a_sample_twice_when_points_repeat():
     picked = k_center_greedy(points, np.arange(6), 5)
     assert picked.tolist() == [0, 4, 1, 2, 3]
     labels = np.zeros(6, dtype=np.int64)
-    chosen = select_in_clusters(labels, np.array([5]), "kcenter", distances=np.abs(points[:, 0]) * 1.0,
-                                features=points)
+    chosen = select_in_clusters(labels, np.array([5]), "kcenter",
+                                SelectionInputs(distances=np.abs(points[:, 0]) * 1.0, features=points))
     assert chosen.tolist() == [0, 1, 2, 3, 4]
 
 
@@ -148,6 +150,6 @@ def test_random_selection_is_uniform_within_each_cluster():
     times_kept = np.zeros(labels.size)
     draws = 3000
     for seed in range(draws):
-        times_kept[select_in_clusters(labels, kept, "random", seed=seed)] += 1
+        times_kept[select_in_clusters(labels, kept, "random", SelectionInputs(seed=seed))] += 1
     share = np.where(labels == 0, 4 / 12, 2 / 5)
     assert (np.abs(times_kept / draws - share) < 5 * np.sqrt(share * (1 - share) / draws)).all()

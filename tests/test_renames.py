@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ds_cluster import ClusterSamplingConfig, build_plan
+from tests.planning import plan_of
 from ds_cluster.loader.sampler import ClusterDataLoader
 
 LABELS = np.repeat(np.arange(3), [20, 12, 8])
@@ -23,7 +24,7 @@ def _config(**keys) -> ClusterSamplingConfig:
 
 
 def _plan(config: ClusterSamplingConfig):
-    return build_plan(None, config, world_size=1, micro_batch_size=2, gradient_accumulation_steps=1, labels=LABELS)
+    return plan_of(None, config, world_size=1, micro_batch_size=2, gradient_accumulation_steps=1, labels=LABELS)
 
 
 def _data() -> list[dict]:
@@ -70,7 +71,7 @@ def test_removed_loader_methods_name_their_replacement():
 
 
 def test_a_loader_given_only_a_sum_over_ranks_still_normalises_tokens_over_the_ranks():
-    plan = build_plan(None, _config(loss_reduction="token"), world_size=2, micro_batch_size=2,
+    plan = plan_of(None, _config(loss_reduction="token"), world_size=2, micro_batch_size=2,
                       gradient_accumulation_steps=1, labels=LABELS)
     data = [{"input_ids": torch.zeros(4, dtype=torch.int64), "labels": torch.tensor([0, 1, 1, 1])} for _ in LABELS]
     loader = ClusterDataLoader(data, plan, 0, sum_over_ranks=lambda counts: counts * 2)  # as if rank 1 had as many
@@ -88,7 +89,8 @@ def test_old_readings_of_the_block_give_the_stages_values():
     assert config.planned_ratio == stages.selection.planned_ratio == 0.5
     assert config.resolved_num_clusters(2) == 3 and kmeans_settings(config, 2) == stages.clustering.kmeans_arguments(2)
     points = np.random.default_rng(0).normal(size=(30, 4)).astype(np.float32)
-    assert np.array_equal(cluster_by_config(points, config, 1).labels, cluster_with(points, stages.clustering, 1).labels)
+    assert np.array_equal(cluster_by_config(points, config, 1).labels,
+                          cluster_with(points, stages.clustering, 1).labels)
 
 
 def test_old_names_of_the_learning_rate_schedule_the_figures_and_the_feature_engine():
@@ -109,3 +111,50 @@ def test_old_names_of_the_learning_rate_schedule_the_figures_and_the_feature_eng
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ClusterFigures(figures.tally)  # the 0.6.0 form: no warning
+
+
+def test_the_0_6_0_call_of_build_plan_warns_and_clusters_first_as_it_did():
+    from ds_cluster import BatchShape, PlanInputs, cluster_samples
+
+    config = _config(num_clusters=3, budget_mode="neyman", selection="peripheral")
+    features = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32)
+    with pytest.warns(DeprecationWarning, match="cluster_samples"):
+        old = build_plan(features, config, world_size=2, micro_batch_size=2, gradient_accumulation_steps=1)
+    clusters = cluster_samples(PlanInputs(features, None, None), config.stages().clustering, 2)
+    assert old.fingerprint() == build_plan(clusters, config, BatchShape(2, 2, 1)).fingerprint()
+
+
+def test_the_loaders_analysis_timings_name_their_replacement():
+    loader = ClusterDataLoader(_data(), _plan(_config()), 0)
+    with pytest.raises(AttributeError, match=r"loader\.analysis"):
+        loader.analysis_timings  # noqa: B018
+
+
+@pytest.mark.parametrize("case", ["static", "adaptive_auto"])
+def test_a_0_6_0_sampler_state_resumes_the_sequence_0_6_0_trained(case):
+    """States 0.6.0 wrote mid-run (tests/fixtures/sampler_states_0.6.0.json, made with that release's code): the
+    plan's fingerprint is the same, and the resumed run continues the micro-batches 0.6.0 trained uninterrupted."""
+    import json
+    from pathlib import Path
+
+    from ds_cluster.loader.adaptive import AdaptiveSchedule
+
+    saved = json.loads((Path(__file__).parent / "fixtures" / "sampler_states_0.6.0.json").read_text())[case]
+    config = ClusterSamplingConfig.from_dict(saved["block"])
+    stages = config.stages()
+    labels = np.repeat(np.arange(3), (60, 30, 10))
+    plan = plan_of(None, config, world_size=1, micro_batch_size=4, gradient_accumulation_steps=2, labels=labels)
+    schedule = AdaptiveSchedule(plan, 0, stages.schedule) if stages.schedule.adaptive else None
+    data = [{"input_ids": torch.full((6,), i % 50), "attention_mask": torch.ones(6, dtype=torch.int64),
+             "labels": torch.full((6,), i % 50)} for i in range(len(labels))]
+    loader = ClusterDataLoader(data, plan, 0, schedule=schedule, loss=stages.loss)
+    loader.load_state_dict(saved["state"])
+    resumed = []
+    while len(resumed) < len(saved["micro_batches"]) - saved["taken"] and loader.completed_epochs < 50:
+        for batch in loader:
+            indices = batch["sample_index"]
+            loader.record_losses(indices, torch.tensor([(2.0, 1.0, 0.5)[labels[i]] for i in indices.tolist()]))
+            resumed.append(indices.tolist())
+            if len(resumed) == len(saved["micro_batches"]) - saved["taken"]:
+                break
+    assert resumed == saved["micro_batches"][saved["taken"]:]

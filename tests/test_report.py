@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import html
+from dataclasses import replace
 import json
 import os
 import re
@@ -12,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ds_cluster import ClusterSamplingConfig, Plan, build_plan
+from ds_cluster import ClusterSamplingConfig, Plan
+from tests.planning import plan_of
 from ds_cluster.data.dataset import prompt_text
 from ds_cluster.report.clusters import describe_clusters, distinguishing_words
-from ds_cluster.report.page import write_report
+from ds_cluster.report.page import ReportInputs, write_report
 from tests.launching import REPO
 from ds_cluster.report.summary import (cluster_category_counts, cluster_counts_per_rank_step, pca_projection,
                                        layout_coverage)
@@ -47,13 +49,14 @@ def prompts_of(families: list[str]) -> list[str]:
 
 
 def make_plan(features: np.ndarray, paper: bool = False) -> Plan:
-    """3 clusters, proportional budget, stratified allocation; or the paper's K = world, min budget, one cluster a rank."""
+    """3 clusters, proportional budget, stratified allocation; or the paper's K = world, min budget, one cluster a
+    rank."""
     config = ClusterSamplingConfig(enabled=True, num_clusters=3, budget_mode="proportional", budget_ratio=0.5,
                                    kmeans_n_init=2)
     if paper:
         config = ClusterSamplingConfig(enabled=True, preset="paper", kmeans_n_init=2, budget_ratio=0.5)
     exclude = ~np.any(features != 0, axis=1)
-    return build_plan(features, config, world_size=2, micro_batch_size=4, gradient_accumulation_steps=2,
+    return plan_of(features, config, world_size=2, micro_batch_size=4, gradient_accumulation_steps=2,
                       exclude=exclude)
 
 
@@ -114,7 +117,7 @@ def image_sources(page: str) -> list[str]:
 
 def test_report_folder_is_self_contained(tmp_path: Path, blobs, plan: Plan):
     features, families = blobs
-    index = write_report(tmp_path / "report", plan, features=features, categories=families, title="t <&>")
+    index = write_report(tmp_path / "report", plan, ReportInputs(features=features, categories=families, title="t <&>"))
     page = index.read_text()
     sources = image_sources(page)
     assert len(sources) == 5, sources  # sizes, weights, heat map, projection, families
@@ -180,13 +183,13 @@ def test_the_page_shows_what_each_cluster_holds_and_no_text_when_told(tmp_path: 
     features, families = blobs
     prompts = prompts_of(families)
     prompts[0] = "Please add <b>bold</b> & more"  # a record's text is escaped, never markup
-    page = write_report(tmp_path / "with", plan, features=features, categories=families, prompts=prompts).read_text()
+    shown = ReportInputs(features=features, categories=families, prompts=prompts)
+    page = write_report(tmp_path / "with", plan, shown).read_text()
     assert "What each cluster holds" in page and "ascending" in page and "<b>bold" not in page
     described = describe_clusters(plan, prompts=prompts, categories=families)
     for example in (e for d in described for e in d.examples):
         assert html.escape(example) in page
-    hidden = write_report(tmp_path / "without", plan, features=features, categories=families, prompts=prompts,
-                          include_text=False).read_text()
+    hidden = write_report(tmp_path / "without", plan, replace(shown, include_text=False)).read_text()
     assert "--no-text" in hidden and not any(words in hidden for words in ("ascending", "backwards", "Please"))
 
 
@@ -195,7 +198,7 @@ def test_an_adaptive_runs_log_adds_its_shares_and_losses(tmp_path: Path, plan: P
               "probe_loss": None if w else [2.1, 1.6, 1.0], "shares": [0.5, 0.3, 0.2],
               "samples_consumed": [20 * (w + 1), 12 * (w + 1), 8 * (w + 1)], "kept_fraction": 0.4 * (w + 1) / 3,
               "stopped": [2] if w == 2 else [], "finished": w == 2} for w in range(3)]
-    page = write_report(tmp_path, plan, schedule_lines=lines).read_text()
+    page = write_report(tmp_path, plan, ReportInputs(schedule_lines=lines)).read_text()
     assert "schedule.png" in image_sources(page) and (tmp_path / "schedule.png").stat().st_size > 0
     assert "3 windows closed, up to optimizer step 30; samples consumed 120 of 300" in page
     assert "clusters stopped: 2; the run finished" in page
@@ -214,7 +217,7 @@ def test_an_auto_budgets_log_says_per_cluster_when_it_stopped_why_and_what_it_ga
               "kept_fraction": 0.4 * (w + 1) / 3, "stopped": [1] if w >= 1 else [], "finished": False,
               "stops": [None, stop if w >= 1 else None, None], "predicted_gain": [0.2, 0.05, None]}
              for w in range(4)]
-    page = html.unescape(write_report(tmp_path, plan, schedule_lines=lines).read_text())
+    page = html.unescape(write_report(tmp_path, plan, ReportInputs(schedule_lines=lines)).read_text())
     table = page.split("Adaptive schedule", 1)[1].split("</table>", 1)[0]
     rows = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", table, re.S)[1:]]
     cells = rows[1]  # cluster, consumed, of its size, stopped at step, why, predicted, realized, share, loss
@@ -283,8 +286,8 @@ def console_messages(stderr: str) -> list[str]:
 @pytest.mark.browser
 def test_report_renders_in_headless_chromium(chromium: str, tmp_path: Path, blobs, plan: Plan):
     features, families = blobs
-    index = write_report(tmp_path / "report", plan, features=features, categories=families,
-                         prompts=prompts_of(families))
+    index = write_report(tmp_path / "report", plan,
+                         ReportInputs(features=features, categories=families, prompts=prompts_of(families)))
     page = index.read_text()
     probe = index.parent / "probe.html"
     probe.write_text(page.replace("<head>", "<head>\n" + PROBE_SCRIPT, 1))

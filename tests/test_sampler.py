@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from ds_cluster import ClusterSamplingConfig, build_plan
+from ds_cluster import ClusterSamplingConfig
+from tests.planning import plan_of
 from ds_cluster.loader.loss import per_sample_lm_loss, weighted_lm_loss
 from ds_cluster.loader.sampler import ClusterDataLoader
 
@@ -14,7 +15,7 @@ def make_plan(world: int = 2, micro: int = 2, gas: int = 2):
     labels = np.repeat(np.arange(3), [30, 12, 6])
     cfg = ClusterSamplingConfig(enabled=True, budget_mode="proportional", budget_ratio=0.75, selection="random",
                                 weighting="cluster", loss_reduction="sample", seed=9)
-    return build_plan(None, cfg, world_size=world, micro_batch_size=micro, gradient_accumulation_steps=gas,
+    return plan_of(None, cfg, world_size=world, micro_batch_size=micro, gradient_accumulation_steps=gas,
                       labels=labels)
 
 

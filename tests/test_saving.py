@@ -45,8 +45,8 @@ def test_a_model_over_the_file_size_is_written_in_files_with_their_index(tmp_pat
 
 
 def test_a_tied_output_matrix_is_written_once_under_the_embeddings_name(tmp_path):
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     save_gathered_model(model, _Tokenizer(), tmp_path / "model", rank=0)

@@ -38,41 +38,50 @@ def test_warmup_stable_decay_holds_until_the_run_announces_its_end_then_decays_t
 
 
 def test_a_runs_lr_schedule_is_cosine_unless_its_loader_may_end_the_run_with_a_cool_down():
-    class Loader:
-        def __init__(self, cooldown_fraction):
-            self.cooldown_fraction = cooldown_fraction
+    from ds_cluster.loader.schedule import RunEnd
 
-        def cooldown_steps(self):
-            return (40, 60)
+    class Loader:
+        def __init__(self, run_end):
+            self.end = run_end
+
+        def run_end(self):
+            return self.end
 
     cosine = warmup_cosine(lambda: 100, 0.05)
     for loader in (Loader(None), None):  # a static or fixed-budget schedule; no loader yet
-        factor = run_lr_schedule(lambda: 100, 0.05, lambda: loader)
+        factor = run_lr_schedule(lambda: 100, 0.05, lambda loader=loader: loader)
         assert [factor(step) for step in (0, 3, 50, 90)] == [cosine(step) for step in (0, 3, 50, 90)]
-    made = {"loader": Loader(0.2)}  # an auto budget with auto_cooldown 0.2 (its default)
+    made = {"loader": Loader(RunEnd(0.2, (40, 60)))}  # an auto budget with auto_cooldown 0.2 (its default)
     factor = run_lr_schedule(lambda: 100, 0.05, lambda: made["loader"])
     assert factor(0) == cosine(0)  # the warm-up's first step, the same for both
     assert factor(50) == pytest.approx(0.5) and factor(60) == 0.0  # linear to 0 over the announced cool-down
-    made["loader"].cooldown_steps = lambda: None  # not announced: constant, then the cap's last 1/6
+    made["loader"].end = RunEnd(0.2)  # not announced: constant, then the cap's last 1/6
     assert factor(50) == 1.0 and factor(90) == pytest.approx(((100 - 90) / round(100 / 6)))
 
 
-def test_the_loaders_schedule_says_whether_the_run_may_end_with_a_cool_down(tmp_path):
-    from ds_cluster import ClusterSamplingConfig, build_plan
+def test_the_loaders_blocks_say_whether_the_run_may_end_with_a_cool_down(tmp_path):
+    from ds_cluster import ClusterSamplingConfig
+    from tests.planning import plan_of
     from ds_cluster.loader.adaptive import AdaptiveSchedule
     from ds_cluster.loader.sampler import ClusterDataLoader
 
     labels = np.repeat(np.arange(2), 20)
-    data = [{"labels": torch.zeros(4, dtype=torch.int64)} for _ in labels]
-    fractions = []
+    data = [{"input_ids": torch.zeros(4, dtype=torch.int64), "attention_mask": torch.ones(4, dtype=torch.int64),
+             "labels": torch.zeros(4, dtype=torch.int64)} for _ in labels]
+    ends = []
     for block in ({}, {"schedule": "adaptive", "budget_ratio": 0.5}, {"schedule": "adaptive", "budget_ratio": "auto"},
                   {"schedule": "adaptive", "budget_ratio": "auto", "auto_cooldown": 0.0}):
         config = ClusterSamplingConfig.from_dict({"enabled": True, "num_clusters": 2, "loss_reduction": "sample",
                                                   "budget_mode": "proportional",
                                                   "analysis_path": str(tmp_path / "a"), **block})
         stages = config.stages()
-        plan = build_plan(None, stages, world_size=1, micro_batch_size=2, gradient_accumulation_steps=1,
+        plan = plan_of(None, stages, world_size=1, micro_batch_size=2, gradient_accumulation_steps=1,
                           labels=labels)
         schedule = AdaptiveSchedule(plan, 0, stages.schedule) if stages.schedule.adaptive else None
-        fractions.append(ClusterDataLoader(data, plan, 0, schedule=schedule).cooldown_fraction)
-    assert fractions == [None, None, 0.2, None]
+        loader = ClusterDataLoader(data, plan, 0, schedule=schedule)
+        assert loader.run_end() is None  # no block open yet
+        next(iter(loader))
+        ends.append(loader.run_end())
+    from ds_cluster.loader.schedule import RunEnd
+
+    assert ends == [None, None, RunEnd(0.2), None]

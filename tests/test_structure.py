@@ -130,15 +130,22 @@ def test_the_floors_are_the_folders_docs_design_names():
         _floor(_module_name(path))  # every module is on a floor
 
 
+# The modules that import an optional package the library does not need: TRL, or a fine-tuning frontend (each in an
+# environment of its own, launch/frontend_env.sh).
+OPTIONAL_MODULES = ("ds_cluster.integrations.trl", "ds_cluster.integrations.axolotl",
+                    "ds_cluster.integrations.llamafactory")
+
+
 def test_the_library_imports_no_benchmark_test_trl_or_plotting_module():
     modules = [_module_name(path) for path in _package_files()
-               if _module_name(path) not in ("ds_cluster.integrations.trl", "ds_cluster.cli.__main__")]
+               if _module_name(path) not in (*OPTIONAL_MODULES, "ds_cluster.cli.__main__")]
     script = ("import importlib, sys\n"
               f"for name in {modules!r}:\n"
               "    importlib.import_module(name)\n"
               "import ds_cluster\n"
               "ds_cluster.ClusterTrainer, ds_cluster.install, ds_cluster.build_plan\n"
-              "print(sorted({m.split('.')[0] for m in sys.modules} & {'bench', 'tests', 'trl', 'matplotlib'}))\n")
+              "print(sorted({m.split('.')[0] for m in sys.modules} & {'bench', 'tests', 'trl', 'matplotlib', "
+              "'axolotl', 'llamafactory'}))\n")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO / "docs", capture_output=True, text=True,
                             timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -185,9 +192,9 @@ def test_no_docstring_cites_a_file_outside_the_repository():
 
 # The two ends docs/design.md names: only these files may touch DeepSpeed or torch.distributed.
 ENDS = {"ds_cluster/integrations/deepspeed.py", "ds_cluster/integrations/hf.py", "ds_cluster/integrations/trl.py",
-        "ds_cluster/integrations/setup.py", "ds_cluster/integrations/saving.py", "ds_cluster/distributed.py", "ds_cluster/features/extract.py",
+        "ds_cluster/integrations/setup.py", "ds_cluster/distributed.py", "ds_cluster/features/extract.py",
         "ds_cluster/features/model_info.py", "ds_cluster/features/source.py", "ds_cluster/train.py",
-        "ds_cluster/cli/analyze.py", "ds_cluster/cli/train.py"}
+        "ds_cluster/cli/analyze.py", "ds_cluster/cli/train.py", "ds_cluster/integrations/saving.py"}
 
 
 def _touches_the_ends(path: Path) -> bool:
@@ -275,7 +282,8 @@ STAGE_SETTINGS = {
     "ds_cluster.features": {"FeatureSettings"},
     "ds_cluster.clustering": {"ClusteringSettings", "stages_of"},
     "ds_cluster.analysis": {"FeatureSettings", "ClusteringSettings", "stages_of"},
-    "ds_cluster.planning": {"ClusteringSettings", "StageSettings", "stages_of"},
+    # The plan reads the selection settings (clustering is the floor below's); the auto budget, the schedule's.
+    "ds_cluster.planning": {"StageSettings", "stages_of", "ScheduleSettings"},
     "ds_cluster.loader": {"ScheduleSettings", "LossSettings"},
 }
 
@@ -300,3 +308,31 @@ def test_every_key_of_the_block_reaches_a_stage_and_the_plans_fingerprint():
     from ds_cluster.settings import StageSettings
 
     assert set(ClusterSamplingConfig.model_fields) - set(NOT_STAGE_KEYS) == StageSettings.declared_keys()
+
+
+def test_the_library_calls_none_of_its_own_deprecated_names():
+    """A function or method that warns DeprecationWarning is there for users' old code; the library's own code calls
+    its replacement (a warning raised from ds_cluster also fails the suite: pytest.ini)."""
+    deprecated: set[str] = set()
+    trees = {path: ast.parse(path.read_text()) for path in _package_files()}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            # Deprecated: it warns whenever it is called (a statement of its own body, not a branch's).
+            if isinstance(node, ast.FunctionDef) and any(
+                    isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)
+                    and any(isinstance(arg, ast.Name) and arg.id == "DeprecationWarning"
+                            for arg in statement.value.args)
+                    for statement in node.body):
+                deprecated.add(node.name)
+    assert {"schedule", "rank_schedule", "epoch_schedule", "schedule_coverage"} <= deprecated
+    calls = []
+    for path, tree in trees.items():
+        for outer in ast.walk(tree):
+            if not isinstance(outer, ast.FunctionDef) or outer.name in deprecated:
+                continue
+            for node in ast.walk(outer):
+                if isinstance(node, ast.Call):
+                    name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                    if name in deprecated:
+                        calls.append(f"{_module_name(path)}.{outer.name} calls {name}() (line {node.lineno})")
+    assert calls == []

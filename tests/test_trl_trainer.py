@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ds_cluster import ClusterSamplingConfig, Plan, build_plan
+from ds_cluster import ClusterSamplingConfig, Plan
+from tests.planning import plan_of_inputs
 from ds_cluster.analysis.folder import AnalysisDir
 from ds_cluster.integrations.hf import SAMPLER_STATE_FILE
 from tests.launching import REPO, check, run_deepspeed, run_mpirun, shm_buffers
@@ -71,8 +72,9 @@ def expected_plan(sft_job: Path, uninterrupted_run: Path) -> Plan:
     num_rows = json.loads((uninterrupted_run / "run.json").read_text())["num_rows"]
     inputs = AnalysisDir(config.analysis_path).load_inputs(num_rows)
     ds_config = json.loads((sft_job / "zero3.json").read_text())
-    return build_plan(config=config, world_size=WORLD, micro_batch_size=ds_config["train_micro_batch_size_per_gpu"],
-                      gradient_accumulation_steps=ds_config["gradient_accumulation_steps"], **inputs.plan_arguments())
+    return plan_of_inputs(inputs, config, world_size=WORLD,
+                          micro_batch_size=ds_config["train_micro_batch_size_per_gpu"],
+                          gradient_accumulation_steps=ds_config["gradient_accumulation_steps"])
 
 
 @pytest.mark.integration

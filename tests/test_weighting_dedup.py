@@ -8,10 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_cluster import ClusterSamplingConfig, build_plan
+from ds_cluster import ClusterSamplingConfig
+from tests.planning import plan_of
 from ds_cluster.planning import diversity
 from ds_cluster.planning.diversity import semantic_dedup
-from ds_cluster.planning.selection import select_in_clusters
+from ds_cluster.planning.selection import SelectionInputs, select_in_clusters
 from ds_cluster.planning.weights import sample_weights
 from tests.test_plan import blobs, config
 
@@ -96,10 +97,10 @@ def test_plan_with_tempered_weights():
     features, _ = blobs([120, 50, 30])
     shape = {"world_size": 1, "micro_batch_size": 2, "gradient_accumulation_steps": 1}
     block = {"num_clusters": 3, "budget_mode": "equal", "budget_ratio": 0.3, "capacity_factor": None}
-    default = build_plan(features, config(**block), **shape)
-    explicit_one = build_plan(features, config(**block, weight_temperature=1.0), **shape)
-    half = build_plan(features, config(**block, weight_temperature=0.5), **shape)
-    flat = build_plan(features, config(**block, weight_temperature=0.0), **shape)
+    default = plan_of(features, config(**block), **shape)
+    explicit_one = plan_of(features, config(**block, weight_temperature=1.0), **shape)
+    half = plan_of(features, config(**block, weight_temperature=0.5), **shape)
+    flat = plan_of(features, config(**block, weight_temperature=0.0), **shape)
     assert np.array_equal(explicit_one.weights, default.weights)
     assert explicit_one.fingerprint() == default.fingerprint()
     assert "weight_temperature" not in default.settings and half.settings["weight_temperature"] == 0.5
@@ -124,10 +125,10 @@ def test_semdedup_drops_planted_duplicates_while_there_is_room(seed):
     points, direction = planted_duplicates()
     labels = np.zeros(len(points), dtype=np.int64)
     for keep in (1, 2, 3, 4):
-        chosen = select_in_clusters(labels, np.array([keep]), "semdedup", features=points, seed=seed)
+        chosen = select_in_clusters(labels, np.array([keep]), "semdedup", SelectionInputs(features=points, seed=seed))
         assert chosen.size == keep and np.unique(direction[chosen]).size == keep  # no direction twice
     # Past the four directions, duplicates fill the budget; every direction is still there.
-    chosen = select_in_clusters(labels, np.array([6]), "semdedup", features=points, seed=seed)
+    chosen = select_in_clusters(labels, np.array([6]), "semdedup", SelectionInputs(features=points, seed=seed))
     assert chosen.size == 6 and set(direction[chosen].tolist()) == {0, 1, 2, 3}
 
 
@@ -172,8 +173,8 @@ def test_semdedup_keeps_each_clusters_budget(data, num_clusters, seed):
     points = rng.integers(-1, 2, (60, 2)).astype(np.float32)  # mostly duplicates
     counts = np.bincount(labels, minlength=num_clusters)
     kept = np.array([data.draw(st.integers(1, int(size))) for size in counts])
-    chosen = select_in_clusters(labels, kept, "semdedup", features=points, seed=seed,
-                                dedup_similarity=data.draw(st.floats(0.05, 1.0)))
+    chosen = select_in_clusters(labels, kept, "semdedup", SelectionInputs(
+        features=points, seed=seed, dedup_similarity=data.draw(st.floats(0.05, 1.0))))
     assert np.array_equal(np.bincount(labels[chosen], minlength=num_clusters), kept)
     assert np.array_equal(chosen, np.unique(chosen))  # sorted, no sample twice
 
@@ -183,18 +184,19 @@ def test_semdedup_is_seeded_and_reads_random_s_order():
     points = rng.normal(size=(200, 8)).astype(np.float32)
     labels = rng.integers(0, 3, 200)
     kept = np.array([20, 15, 10])
-    first = select_in_clusters(labels, kept, "semdedup", features=points, seed=5)
-    assert np.array_equal(first, select_in_clusters(labels, kept, "semdedup", features=points, seed=5))
-    picks = {tuple(select_in_clusters(labels, kept, "semdedup", features=points, seed=seed)) for seed in range(5)}
+    first = select_in_clusters(labels, kept, "semdedup", SelectionInputs(features=points, seed=5))
+    assert np.array_equal(first, select_in_clusters(labels, kept, "semdedup", SelectionInputs(features=points, seed=5)))
+    picks = {tuple(select_in_clusters(labels, kept, "semdedup", SelectionInputs(features=points, seed=seed)))
+             for seed in range(5)}
     assert len(picks) == 5
     # Without near-duplicates (Gaussian rows, similarity 1) and with nothing but duplicates (identical rows),
     # semdedup keeps exactly what "random" keeps: the same seeded order.
     for rows in (points, np.ones_like(points)):
         for seed in (0, 5):
-            assert np.array_equal(select_in_clusters(labels, kept, "semdedup", features=rows, seed=seed,
-                                                     dedup_similarity=1.0),
-                                  select_in_clusters(labels, kept, "random", seed=seed))
-    identical = select_in_clusters(labels, kept, "semdedup", features=np.ones_like(points), seed=1)
+            assert np.array_equal(select_in_clusters(labels, kept, "semdedup",
+                                                     SelectionInputs(features=rows, seed=seed, dedup_similarity=1.0)),
+                                  select_in_clusters(labels, kept, "random", SelectionInputs(seed=seed)))
+    identical = select_in_clusters(labels, kept, "semdedup", SelectionInputs(features=np.ones_like(points), seed=1))
     assert np.array_equal(np.bincount(labels[identical]), kept)
 
 
@@ -203,9 +205,9 @@ def test_semdedup_errors():
     with pytest.raises(ValueError, match="'semdedup' needs the features themselves; use 'random'"):
         select_in_clusters(labels, np.array([2]), "semdedup")
     with pytest.raises(ValueError, match="'semdedup' needs the features themselves; use 'spread' or 'random'"):
-        select_in_clusters(labels, np.array([2]), "semdedup", distances=np.arange(5.0))
+        select_in_clusters(labels, np.array([2]), "semdedup", SelectionInputs(distances=np.arange(5.0)))
     with pytest.raises(ValueError, match="dedup_similarity must be in"):
-        select_in_clusters(labels, np.array([2]), "semdedup", features=np.eye(5), dedup_similarity=0.0)
+        select_in_clusters(labels, np.array([2]), "semdedup", SelectionInputs(features=np.eye(5), dedup_similarity=0.0))
     with pytest.raises(ValueError, match="one of peripheral, core, random, mix, norm, spread, kcenter, semdedup"):
         select_in_clusters(labels, np.array([2]), "edges")  # type: ignore[arg-type]
 
@@ -216,20 +218,20 @@ def test_semdedup_plan_end_to_end():
     shape = {"world_size": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 1}
     block = {"num_clusters": 3, "budget_mode": "proportional", "budget_ratio": 0.4, "capacity_factor": None,
              "selection": "semdedup", "dedup_similarity": 0.999}
-    plan = build_plan(features, config(**block), **shape)
+    plan = plan_of(features, config(**block), **shape)
     assert np.array_equal(np.bincount(plan.labels[plan.selected], minlength=3), plan.kept_sizes)
     kept_rows = features[plan.selected]
     assert np.unique(kept_rows, axis=0).shape[0] == plan.num_kept  # room for distinct rows: no repeat kept
     assert plan.settings["dedup_similarity"] == 0.999
-    again = build_plan(features, config(**block), **shape)
+    again = plan_of(features, config(**block), **shape)
     assert again.fingerprint() == plan.fingerprint()
-    assert build_plan(features, config(**block, seed=8), **shape).fingerprint() != plan.fingerprint()
+    assert plan_of(features, config(**block, seed=8), **shape).fingerprint() != plan.fingerprint()
     # Without the features themselves it stops and says so.
     labels = plan.labels
     with pytest.raises(ValueError, match="'semdedup' needs the features themselves"):
-        build_plan(None, config(**block), **shape, labels=labels)
+        plan_of(None, config(**block), **shape, labels=labels)
     with pytest.raises(ValueError, match="'semdedup' needs the features themselves, and there are none"):
-        build_plan(None, config(**block), **shape, labels=labels, distances=plan.distances)
+        plan_of(None, config(**block), **shape, labels=labels, distances=plan.distances)
 
 
 # ---------------------------------------------------------------------------------------------- config

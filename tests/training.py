@@ -91,8 +91,8 @@ GRADIENT_JOB_LABELS = np.repeat([0, 1, 2], [12, 8, 4])
 
 
 def gradient_job_block(root: Path, reduction: str) -> dict:
-    return {"enabled": True, "budget_mode": "min", "selection": "random", "allocation": "stratified", "weighting": "cluster",
-            "analysis_path": str(root / "analysis"), "seed": 3, "loss_reduction": reduction}
+    return {"enabled": True, "budget_mode": "min", "selection": "random", "allocation": "stratified",
+            "weighting": "cluster", "analysis_path": str(root / "analysis"), "seed": 3, "loss_reduction": reduction}
 
 
 def assert_step_is_the_reference_gradient(root: Path, reduction: str) -> None:
@@ -103,12 +103,13 @@ def assert_step_is_the_reference_gradient(root: Path, reduction: str) -> None:
     """
     import torch
 
-    from ds_cluster import ClusterSamplingConfig, build_plan
+    from ds_cluster import ClusterSamplingConfig
+    from tests.planning import plan_of
     from ds_cluster.loader.loss import token_loss_sums
     from tests.workers.feature_fixtures import tiny_llama, token_dataset
 
     delta = np.load(root / "delta.npz")
-    plan = build_plan(None, ClusterSamplingConfig.from_dict(gradient_job_block(root, reduction)), world_size=2,
+    plan = plan_of(None, ClusterSamplingConfig.from_dict(gradient_job_block(root, reduction)), world_size=2,
                       micro_batch_size=2, gradient_accumulation_steps=3, labels=GRADIENT_JOB_LABELS)
     assert plan.num_kept == plan.global_batch_size == 12
     model = tiny_llama(seed=0)

@@ -8,11 +8,53 @@ and by the spec's own fields, never by reading names.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Mapping, Optional
 
+
+class Method(str, Enum):
+    """The benchmark's own methods (an arm of a declared candidate is named by its candidate instead); a str, so an
+    arm's JSON holds the plain name."""
+
+    FULL = "full"
+    FULL_CUT = "full_cut"
+    RANDOM = "random"
+    PAPER = "paper"
+    RECOMMENDED = "recommended"
+    RECOMMENDED_SMALL = "recommended_small"
+    RECOMMENDED_SMOLLM2 = "recommended_smollm2"
+    RECOMMENDED_LORA = "recommended_lora"
+    ORACLE = "oracle"
+    NEARDUP = "neardup"
+    ADAPTIVE = "adaptive"
+    AUTO = "auto"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 # The methods of the recommended preset: on the trained model's own features, or a feature model's.
-RECOMMENDED_METHODS = ("recommended", "recommended_small", "recommended_smollm2")
-FULL_DATA_METHODS = ("full", "full_cut")
+RECOMMENDED_METHODS = (Method.RECOMMENDED, Method.RECOMMENDED_SMALL, Method.RECOMMENDED_SMOLLM2)
+FULL_DATA_METHODS = (Method.FULL, Method.FULL_CUT)
+
+
+# The feature models an arm may read besides the trained model's own ("own").
+FEATURE_SOURCES = ("smollm2", "small", "lora")
+# The built-in methods on a feature model's features.
+SOURCED_METHODS: dict[str, tuple[str, str]] = {Method.RECOMMENDED_SMALL: (Method.RECOMMENDED, "small"),
+                                               Method.RECOMMENDED_SMOLLM2: (Method.RECOMMENDED, "smollm2"),
+                                               Method.RECOMMENDED_LORA: (Method.RECOMMENDED, "lora")}
+
+
+def kind_and_source(kind: str, candidates: Mapping[str, Any]) -> tuple[str, str]:
+    """(the method or declared candidate, the feature source) an arm kind names: a built-in method, a declared
+    candidate, or a declared candidate on a feature model's features (NAME_SOURCE, declared by the candidate list
+    and FEATURE_SOURCES); looked up among the declared names, never cut out of the name."""
+    table: dict[str, tuple[str, str]] = dict(SOURCED_METHODS)
+    for name in candidates:
+        table[name] = (name, "own")
+        table.update({f"{name}_{source}": (name, source) for source in FEATURE_SOURCES})
+    return table.get(kind, (kind, "own"))
 
 
 def setting_name(kind: str, fraction: float, stretch: bool = False,
@@ -84,6 +126,7 @@ class Arm:
     changes: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
     candidate: Optional[str] = field(default=None, compare=False)  # the declared candidate it runs (--choose*)
     source: str = field(default="own", compare=False)  # its features: "own", "small", "smollm2" or "lora"
+    target: Optional[str] = None  # the targeted instrument: the target it selects for (None: a shared baseline)
 
     @property
     def is_partner(self) -> bool:
@@ -104,7 +147,7 @@ class Arm:
     def row_group(self) -> Optional[str]:
         """The group of rows the report lists its setting in (`METHOD_ORDER`); None: after them, by name (the
         candidates, the ablations' own random partners, the budget-ratio rows)."""
-        if self.candidate is not None or self.is_partner or (self.fraction is None and self.method == "paper"):
+        if self.candidate is not None or self.is_partner or (self.fraction is None and self.method == Method.PAPER):
             return None
         return f"{self.method}_steps" if self.stretch else self.method
 
@@ -114,28 +157,31 @@ class Arm:
                                "analysis": self.analysis, "fraction": self.fraction,
                                "cluster_sampling": dict(self.cluster_sampling)}
         # full_cut was always written "cut" before its match, the adaptive arms after it.
-        if self.cut and self.method == "full_cut":
+        if self.cut and self.method == Method.FULL_CUT:
             out["cut"] = True
         if self.match is not None:
             out["match"] = self.match.to_json()
         if self.stretch:
             out["stretch"] = True
-        if self.cut and self.method != "full_cut":
+        if self.cut and self.method != Method.FULL_CUT:
             out["cut"] = True
         if self.baseline is not None:
             out["baseline"] = self.baseline
         if self.steps is not None:
             out["steps"] = self.steps
         out["epochs"] = self.epochs
+        if self.target is not None:
+            out["target"] = self.target
         return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Arm":
         return cls(name=data["name"], setting=data["setting"], method=data["method"], seed=data["seed"],
                    analysis=data["analysis"], fraction=data["fraction"],
-                   cluster_sampling=dict(data["cluster_sampling"]), epochs=data["epochs"], match=Match.from_json(data["match"]) if data.get("match") else None,
+                   cluster_sampling=dict(data["cluster_sampling"]), epochs=data["epochs"],
+                   match=Match.from_json(data["match"]) if data.get("match") else None,
                    cut=bool(data.get("cut")), stretch=bool(data.get("stretch")), baseline=data.get("baseline"),
-                   steps=data.get("steps"))
+                   steps=data.get("steps"), target=data.get("target"))
 
 
 @dataclass(frozen=True)
@@ -154,6 +200,8 @@ class Analysis:
     keep_features: bool = False  # clustering: a selection that reads features uses it
     near_duplicates: Optional[str] = None  # near-duplicate subset: the groups' folder
     seed: Optional[int] = None  # near-duplicate subset: the seed of its pick
+    target: Optional[str] = None  # clustering: a target file whose examples' features the analysis holds too
+    leave_out: Optional[tuple] = None  # clustering: task groups out of the pool (a transfer target's)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path}
@@ -162,11 +210,13 @@ class Analysis:
                 out[key] = dict(self.cluster_sampling) if key == "cluster_sampling" else getattr(self, key)
         if self.keep_features:
             out["keep_features"] = True
-        for key in ("near_duplicates", "seed"):
+        for key in ("near_duplicates", "seed", "target"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.leave_out:
+            out["leave_out"] = list(self.leave_out)
         return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Analysis":
-        return cls(**{key: data[key] for key in data})
+        return cls(**{key: (tuple(data[key]) if key == "leave_out" else data[key]) for key in data})

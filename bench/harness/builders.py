@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from bench.harness.arms import Analysis, Arm, Match, arm_name, budget_ratio_setting, partner_setting, setting_name
+from bench.harness.arms import (SOURCED_METHODS, Analysis, Arm, Match, Method, arm_name, budget_ratio_setting,
+                                kind_and_source, partner_setting, setting_name)
 from bench.harness.data import PreparedData
 from bench.harness.instrument import EQUAL_STEPS_KINDS, Settings, default_base_model
 from bench.real import STORIES260K_DIR
@@ -23,7 +24,6 @@ WHOLE = {"budget_mode": "proportional", "budget_ratio": 1.0, "selection": "rando
          "allocation": "stratified", "loss_reduction": "token"}
 # The settings a k-means analysis depends on: an arm that changes one of them reads its own clustering.
 CLUSTERING_KEYS = ("feature_kind", "feature_dim", "num_clusters", "capacity_factor", "kmeans_n_init")
-FEATURE_SOURCES = ("smollm2", "small", "lora")  # a candidate named NAME_SOURCE reads that feature model's features
 
 
 @dataclass(frozen=True)
@@ -210,20 +210,17 @@ def adaptive_arm(builder: ArmBuilder, request: SubsetRequest) -> Arm:
 
 
 def candidate_arm(builder: ArmBuilder, request: SubsetRequest) -> Arm:
-    """A declared candidate (--choose*); a name ending in _smollm2 or _small is the candidate of that name
-    without it, on that feature model's features."""
-    source = next((s for s in FEATURE_SOURCES if request.kind.endswith(f"_{s}")), "own")
-    base = request.kind[:-len(source) - 1] if source != "own" else request.kind
+    """A declared candidate (--choose*), on the trained model's features or a feature model's (NAME_SOURCE)."""
+    base, source = kind_and_source(request.kind, builder.settings.candidates)
     block = builder.settings.candidates.get(base) or builder.settings.recommended
     return preset_arm(builder, request, block, source, candidate=request.kind)
 
 
 SUBSET_BUILDERS: dict[str, Callable[[ArmBuilder, SubsetRequest], Arm]] = {
-    "full_cut": full_cut_arm, "random": random_arm, "paper": paper_arm, "oracle": oracle_arm,
-    "neardup": neardup_arm, "recommended": recommended_arm, "adaptive": adaptive_arm,
-    "recommended_small": lambda builder, request: recommended_arm(builder, request, "small"),
-    "recommended_smollm2": lambda builder, request: recommended_arm(builder, request, "smollm2"),
-    "recommended_lora": lambda builder, request: recommended_arm(builder, request, "lora"),
+    Method.FULL_CUT: full_cut_arm, Method.RANDOM: random_arm, Method.PAPER: paper_arm, Method.ORACLE: oracle_arm,
+    Method.NEARDUP: neardup_arm, Method.RECOMMENDED: recommended_arm, Method.ADAPTIVE: adaptive_arm,
+    **{method: (lambda builder, request, source=source: recommended_arm(builder, request, source))
+       for method, (_, source) in SOURCED_METHODS.items()},
 }
 
 

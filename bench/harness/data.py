@@ -24,7 +24,8 @@ SPLIT_SEED = 20261130
 # A family's answers are labels (greedy exact match is scored on it) when its CATEGORICAL_TOP_ANSWERS
 # most frequent distinct answers (whitespace stripped) cover at least CATEGORICAL_COVERAGE_MIN of its
 # records in the whole training file (before any slice). On the T0 slice: paraphrase 1.00, topic 1.00,
-# sentiment 0.92 are labels; closed-book QA 0.55, multiple choice 0.25, summaries 0.21 and generated sentences 0.13 are not.
+# sentiment 0.92 are labels; closed-book QA 0.55, multiple choice 0.25, summaries 0.21 and generated sentences 0.13
+# are not.
 CATEGORICAL_TOP_ANSWERS = 20
 CATEGORICAL_COVERAGE_MIN = 0.9
 
@@ -134,8 +135,12 @@ def prepare_data(settings: Settings) -> PreparedData:
 
     train_all = read_jsonl(data_file(settings.data, "train"))
     heldout = read_jsonl(data_file(settings.data, "heldout"))
+    # A mixture may name its task groups `category` (ds_cluster.data.dataset.task_group): the harness reads `family`.
+    for record in train_all + heldout:
+        if "family" not in record and "category" in record:
+            record["family"] = record["category"]
     if not all("family" in r for r in train_all + heldout):
-        raise ValueError(f"{settings.data}: every record needs a 'family' field")
+        raise ValueError(f"{settings.data}: every record needs a task group ('family' or 'category')")
     # Whether a family's answers are labels is a property of the family: judged on the whole train file, since
     # in a small slice every answer of a free-text family (a few underlying examples) is among the most frequent.
     exact_match = categorical_families(train_all)
@@ -145,7 +150,7 @@ def prepare_data(settings: Settings) -> PreparedData:
         raise SystemExit(f"prompt: 'alpaca' or 'chat', got {settings.prompt!r}")
     if settings.prompt == "chat":
         train_all, heldout = [to_chat_record(r) for r in train_all], [to_chat_record(r) for r in heldout]
-    train, validation = carve_validation(train_all)
+    train, validation = carve_validation(train_all, settings.validation_fraction or VALIDATION_FRACTION)
     if settings.heldout_per_family is not None:
         taken: dict[str, int] = {}
         heldout = [r for r in heldout if taken.setdefault(r["family"], 0) < settings.heldout_per_family

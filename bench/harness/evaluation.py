@@ -40,23 +40,23 @@ def exists_on_rank0(path: Path) -> bool:
     return bool(distributed.all_gather_object(path.exists() if distributed.get_rank() == 0 else None)[0])
 
 
-def evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict], spec: Mapping[str, Any],
+def evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict], spec: Any,
              exact_match_families: Sequence[str]) -> dict[str, Any]:
     """Answer loss per family, and greedy exact match per family of `exact_match_families`, the records
     shared out over the ranks (collective). Generation runs to each batch's longest reference answer plus a
     margin (ds_cluster.evaluate.greedy_answers); under bf16 autocast when the arms train in it."""
     with torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16,
-                        enabled=spec.get("precision", "fp32") != "fp32"):  # as the arms train
+                        enabled=spec.precision != "fp32"):  # as the arms train
         return _evaluate(model, tokenizer, records, spec, exact_match_families)
 
 
-def _evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict], spec: Mapping[str, Any],
+def _evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict], spec: Any,
               exact_match_families: Sequence[str]) -> dict[str, Any]:
     from ds_cluster.evaluate import answer_nll, greedy_answers, mean_by_group
 
     rank, world = distributed.get_rank(), distributed.get_world_size()
     mine = records[rank::world]
-    losses = (answer_nll(model, InstructionDataset(mine, tokenizer, max_length=spec["max_length"], rank=rank),
+    losses = (answer_nll(model, InstructionDataset(mine, tokenizer, max_length=spec.max_length, rank=rank),
                          batch_size=EVALUATION_BATCH).tolist() if mine else [])
     wanted = set(exact_match_families)
     scored = [r for r in mine if r["family"] in wanted]
@@ -65,6 +65,11 @@ def _evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict], spec:
                                               [(r["family"], str(r["output"]).strip()) for r in scored], answers))
     families = [family for part in gathered for family in part[0]]
     result: dict[str, Any] = {"loss": mean_by_group([loss for part in gathered for loss in part[1]], families)}
+    if getattr(spec, "per_record", False):  # every record's answer loss, in the split's order
+        per_record = [0.0] * len(records)
+        for rank_of, part in enumerate(gathered):
+            per_record[rank_of::world] = part[1]
+        result["record_loss"] = per_record
     if wanted:
         references = [reference for part in gathered for reference in part[2]]
         correct = [float(answer.strip() == text) for (_, text), answer
@@ -73,10 +78,10 @@ def _evaluate(model: torch.nn.Module, tokenizer: Any, records: list[dict], spec:
     return result
 
 
-def copy_probe(model: torch.nn.Module, tokenizer: Any, spec: Mapping[str, Any]) -> float:
+def copy_probe(model: torch.nn.Module, tokenizer: Any, spec: Any) -> float:
     """The synthetic base model's greedy exact match copying strings of 3 to 8 random letters (collective)."""
     from bench.toy.pretraining import copy_probe_records
 
-    records = copy_probe_records(count=spec["copy_probe_records"], seed=spec["copy_probe_seed"])
+    records = copy_probe_records(count=spec.copy_probe_records, seed=spec.copy_probe_seed)
     result = evaluate(model, tokenizer, [dict(r, family="copy") for r in records], spec, ["copy"])
     return result["exact_match"]["copy"]

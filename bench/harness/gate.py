@@ -51,14 +51,14 @@ def last_epoch_change(result: dict) -> tuple[float, list[float]]:
     return change, per_epoch
 
 
-def calibration_gate(work: Path, spec: dict) -> dict[str, Any]:
-    """The instrument's checks from the base model's and the finished gate arms' results in `work`."""
-    gate = spec["gate"]
+def calibration_gate(work: Path, gate: Any) -> dict[str, Any]:
+    """The instrument's checks from the base model's and the finished gate arms' results in `work`; `gate`: the
+    spec's `GateSpec` (its kind and its two arms)."""
     base = json.loads((work / "base.json").read_text())
-    full = json.loads((work / "arms" / f"{gate['full']}.json").read_text())
-    random30 = json.loads((work / "arms" / f"{gate['random']}.json").read_text())
-    if gate.get("kind", "synthetic") == "synthetic":
-        return synthetic_gate(base, full, random30, gate["small_families"])
+    full = json.loads((work / "arms" / f"{gate.full}.json").read_text())
+    random30 = json.loads((work / "arms" / f"{gate.random}.json").read_text())
+    if gate.kind == "synthetic":
+        return synthetic_gate(base, full, random30, gate.small_families)
     return real_gate(base, full, random30)
 
 

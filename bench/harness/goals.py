@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.harness.arms import setting_name
+from bench.harness.arms import RECOMMENDED_METHODS, Method, setting_name
 
 TIME_RATIO_MAX = 0.40
 EXACT_MATCH_GAP_MAX = 0.01
@@ -41,7 +41,7 @@ def evaluate_goals(summary: dict, settings: Any) -> list[dict]:
     full = settings_summary.get("full")
     rows = []
     time_goal = getattr(settings, "time_goal", TIME_RATIO_MAX)
-    for method in ("recommended", "recommended_small", "recommended_smollm2", "paper"):
+    for method in (*RECOMMENDED_METHODS, Method.PAPER):
         for fraction in settings.fractions:
             entry = settings_summary.get(setting_name(method, fraction))
             if entry is None or full is None:
@@ -51,24 +51,28 @@ def evaluate_goals(summary: dict, settings: Any) -> list[dict]:
             ratio = entry["ratio_total_cpu"]
             rows.append({"goal": f"{label}: total CPU time <= {time_goal} of full data",
                          "met": ratio["mean"] <= time_goal,
-                         "measured": f"{ratio['mean']:.3f} ± {ratio['ci']:.3f} (kept {entry['kept_fraction']['mean']:.3f})"})
+                         "measured": f"{ratio['mean']:.3f} ± {ratio['ci']:.3f} "
+                                     f"(kept {entry['kept_fraction']['mean']:.3f})"})
             versus = entry.get("vs_random")
             if versus:
                 macro = versus["loss_macro"]
                 rows.append({"goal": f"{label}: macro answer loss below random's (95% CI of the paired difference < 0)",
                              "met": macro["mean"] + macro["ci"] < 0,
-                             "measured": f"difference {macro['mean']:+.4f} ± {macro['ci']:.4f} over {macro['n']} seeds"})
+                             "measured": f"difference {macro['mean']:+.4f} ± {macro['ci']:.4f} "
+                                         f"over {macro['n']} seeds"})
                 worst = versus["loss_worst"]
                 rows.append({"goal": f"{label}: worst-family answer loss below random's",
                              "met": worst["mean"] < 0,
                              "measured": f"difference {worst['mean']:+.4f} ± {worst['ci']:.4f}"})
-            if getattr(settings, "instrument", "synthetic") == "real" and method.startswith("recommended"):
+            if getattr(settings, "instrument", "synthetic") == "real" and method in RECOMMENDED_METHODS:
                 rows.extend(_real_goals(label, entry, fraction == settings.headline_fraction))
-                rows.extend(_below("full data stopped at the same step count (full_cut)", label, entry.get("vs_full_cut")))
+                rows.extend(_below("full data stopped at the same step count (full_cut)", label,
+                                   entry.get("vs_full_cut")))
                 if time_goal < TIME_RATIO_MAX:  # the capable-model instrument
                     rows.extend(_improvement_kept(label, entry, full, summary.get("base")))
             gap = full["em_macro"]["mean"] - entry["em_macro"]["mean"]
-            rows.append({"goal": f"{label}: macro exact match within {EXACT_MATCH_GAP_MAX * 100:.0f} point of full data",
+            rows.append({"goal": f"{label}: macro exact match within {EXACT_MATCH_GAP_MAX * 100:.0f} point of "
+                                 "full data",
                          "met": gap <= EXACT_MATCH_GAP_MAX,
                          "measured": f"{entry['em_macro']['mean']:.3f} vs full {full['em_macro']['mean']:.3f} "
                                      f"(gap {gap * 100:+.1f} points)"})

@@ -119,6 +119,9 @@ class Settings:
     # Feature extractions shared by the runs on one mixture (features_folder); None: each work folder its own.
     features_cache: Optional[Path] = field(default_factory=lambda: default_cache_root() / "bench_features")
     skipped: tuple[str, ...] = ()  # arms left out, with the reason (the report repeats it)
+    # The targeted instrument (`--target`, bench/harness/targeted.py): its declared design, None otherwise.
+    targeted: Optional[Any] = None
+    validation_fraction: Optional[float] = None  # of every family (None: data.VALIDATION_FRACTION)
     job_timeout_s: float = 4 * 3600
     command: str = "python bench/quality.py"
 
@@ -195,8 +198,10 @@ def job_env(extra: Optional[dict] = None) -> dict:
 
 def with_feature_models(settings: Settings) -> Settings:
     """Drop the SmolLM2 feature arms, saying why, when its checkpoint is not there (or not asked for)."""
+    from bench.harness.arms import kind_and_source
+
     kinds = settings.candidates or settings.arms
-    wanted = [kind for kind in kinds if kind.endswith("_smollm2")]
+    wanted = [kind for kind in kinds if kind_and_source(kind, settings.candidates)[1] == "smollm2"]
     if not wanted:
         return replace(settings, smollm2=None)
     if settings.smollm2 is not None and (Path(settings.smollm2) / "config.json").is_file():

@@ -31,25 +31,24 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
-from bench.harness.arms import Analysis, Arm
+from bench.harness.arms import Analysis, Arm, Method
 from bench.harness.evaluation import Clock, barrier, copy_probe, evaluate, exists_on_rank0, summed
 from bench.harness.gate import calibration_gate
 from bench.harness.lora import ensure_feature_adapters
 from bench.harness.report import gate_text
+from bench.harness.spec import JobSpec
+from bench.harness.targets import TARGET_FIELD
 from ds_cluster import distributed
+from ds_cluster.loader.sampler import cluster_loader
 from ds_cluster.data.dataset import InstructionDataset, read_jsonl, trim_padding_collate
 from ds_cluster.fileio import write_json_atomic
 from ds_cluster.planning.selection import SELECTIONS
 
 
-def analysis_of(spec: Mapping[str, Any], name: str) -> Analysis:
-    return Analysis.from_json(spec["analyses"][name])
-
-
 # --------------------------------------------------------------------------- analyses
-def ensure_features(analysis: Analysis, spec: Mapping[str, Any], train: InstructionDataset) -> dict[str, Any]:
+def ensure_features(analysis: Analysis, spec: JobSpec, train: InstructionDataset) -> dict[str, Any]:
     """Extract one feature model's features of the training data once (collective); its cost from its record."""
-    from ds_cluster.analysis.compute import analyze
+    from ds_cluster.analysis.compute import AnalysedData, AnalysisOptions, analyze
     from ds_cluster.config import ClusterSamplingConfig
     from ds_cluster.features.source import feature_source
 
@@ -60,21 +59,73 @@ def ensure_features(analysis: Analysis, spec: Mapping[str, Any], train: Instruct
         block = {**(analysis.cluster_sampling or {}), "num_clusters": 1, "kmeans_n_init": 1, "enabled": True}
         if analysis.source == "lora":  # the trained model with adapters: the training data as it is
             if distributed.get_rank() == 0:
-                ensure_feature_adapters(analysis.model, spec["base_model"], spec["lora_rank"])
+                ensure_feature_adapters(analysis.model, spec.base_model, spec.lora_rank)
             barrier()
         elif analysis.source != "own":  # a separate feature model: the source re-encodes the data with its tokenizer
             block.update(feature_model=analysis.model, feature_max_length=analysis.feature_max_length)
         stages = ClusterSamplingConfig.from_dict(block).stages()
-        with feature_source(stages.features, train, ds_config=spec["ds_config"], model=analysis.model) as source:
-            summary = analyze(source.engine, source.dataset, analysis.path, stages, batch_size=16,
-                              show_progress=False, provenance={"feature_model": analysis.model},
-                              collectives=distributed.collectives(), analysis_of=train)
+        with feature_source(stages.features, train, ds_config=spec.ds_config, model=analysis.model) as source:
+            options = AnalysisOptions(batch_size=16, show_progress=False, provenance={"feature_model": analysis.model},
+                                      of_data=AnalysedData(train))
+            result = analyze(source.engine, source.dataset, analysis.path, stages, options, distributed.collectives())
             cost = summed(clock.read())  # the engine's tear-down is not the extraction's
-        cost.update(extract_wall=summary["timings_s"]["extract"], source=analysis.source, model=analysis.model)
+        cost.update(extract_wall=result.timings.extract, source=analysis.source, model=analysis.model)
         if distributed.get_rank() == 0:
             write_json_atomic(record, cost)
         barrier()
     return json.loads(record.read_text())
+
+
+def _target_folder(features: Analysis, target_path: str) -> Path:
+    return Path(features.path) / "targets" / Path(target_path).stem
+
+
+def ensure_target_features(name: str, spec: JobSpec, train: InstructionDataset, cost: dict[str, Any]
+                           ) -> dict[str, Any]:
+    """The features of every target file that an analysis of feature analysis `name` reads, in one session of its
+    feature engine (collective); each is written beside the pool's features (targets/NAME/), and its cost is added to
+    what every arm reading it is charged."""
+    from ds_cluster.analysis.target import extract_target
+    from ds_cluster.config import ClusterSamplingConfig
+    from ds_cluster.data.target import read_target
+    from ds_cluster.features.source import feature_source
+
+    features = spec.analyses[name]
+    wanted = sorted({a.target for a in spec.analyses.values() if a.features == name and a.target})
+    missing = [path for path in wanted if not exists_on_rank0(_target_folder(features, path) / "target.json")]
+    if missing:
+        block = {**(features.cluster_sampling or {}), "num_clusters": 1, "enabled": True}
+        if features.source not in ("own", "lora"):
+            block.update(feature_model=features.model, feature_max_length=features.feature_max_length)
+        stages = ClusterSamplingConfig.from_dict(block).stages()
+        with feature_source(stages.features, train, ds_config=spec.ds_config, model=features.model) as source:
+            for path in missing:
+                clock = Clock()
+                examples = read_target(path, train.tokenizer, spec.max_length, group_field=TARGET_FIELD)
+                target = extract_target(source.engine, examples.encoded_with(source.encode), stages.features,
+                                        distributed.collectives())
+                spent = summed(clock.read())
+                if distributed.get_rank() == 0:
+                    folder = _target_folder(features, path)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    np.save(folder / "features.npy", target.features)
+                    write_json_atomic(folder / "cost.json", spent)
+                    write_json_atomic(folder / "target.json", target.to_json())
+                barrier()
+    extra = [json.loads((_target_folder(features, path) / "cost.json").read_text()) for path in wanted]
+    return {**cost, "target_wall": sum(e["wall"] for e in extra) / max(len(extra), 1),
+            "target_cpu": sum(e["cpu"] for e in extra) / max(len(extra), 1)}
+
+
+def _load_target(features: Mapping[str, Any], target_path: str) -> Any:
+    """A target file's features as extract_target gave them (written by ensure_target_features)."""
+    from ds_cluster.analysis.folder import AnalysedTarget
+
+    folder = Path(features["path"]) / "targets" / Path(target_path).stem
+    document = json.loads((folder / "target.json").read_text())
+    return AnalysedTarget(features=np.load(folder / "features.npy"), groups=np.asarray(document["groups"]),
+                          group_names=tuple(document["group_names"]), fingerprint=document["fingerprint"],
+                          source=document.get("source"), prompts=tuple(document.get("prompts") or ()))
 
 
 def ensure_clustering(analysis: Analysis, features: Mapping[str, Any], train: InstructionDataset) -> dict[str, Any]:
@@ -93,41 +144,34 @@ def ensure_clustering(analysis: Analysis, features: Mapping[str, Any], train: In
 
 
 def _cluster(analysis: Analysis, features: Mapping[str, Any], train: InstructionDataset, record: Path) -> None:
-    """Rank 0's k-means of `features` into the analysis folder, and its cost record."""
-    from ds_cluster.analysis.folder import AnalysisDir
-    from ds_cluster.clustering.kmeans import category_counts, cluster_with, purity, spread_to_all
+    """Rank 0's k-means of `features` into the analysis folder (the library's writer), and its cost record; a
+    targeted analysis holds its target examples' features too, and leaves its `leave_out` groups out of the pool."""
+    from ds_cluster.analysis.compute import AnalysedData, AnalysedFeatures, write_analysis
     from ds_cluster.config import ClusterSamplingConfig
-    from ds_cluster.data.dataset import dataset_fingerprint
+    from ds_cluster.data.dataset import task_group
 
     clock = Clock()
-    config = ClusterSamplingConfig.from_dict({**(analysis.cluster_sampling or {}), "enabled": True})
-    stages = config.stages()
+    stages = ClusterSamplingConfig.from_dict({**(analysis.cluster_sampling or {}), "enabled": True}).stages()
     source = Path(features["path"])
+    summary = json.loads((source / "summary.json").read_text())
     points = np.load(source / "features.npy")
     empty = np.load(source / "empty_mask.npy")
-    rows = np.flatnonzero(~empty)
-    world = distributed.get_world_size()
-    clusters = cluster_with(points[rows], stages.clustering, world)
-    labels, distances = spread_to_all(clusters, rows, len(train))
-    num_clusters = stages.clustering.resolved_num_clusters(world)
-    names, counts = category_counts(labels, train.categories, num_clusters)
-    arrays = {"labels.npy": labels, "distances.npy": distances, "empty_mask.npy": empty,
-              "centroids.npy": np.asarray(clusters.centroids, dtype=np.float32)}
-    if analysis.keep_features or SELECTIONS[stages.selection.selection].reads_features:
-        arrays["features.npy"] = points
+    if analysis.leave_out:  # a transfer target's groups: out of k-means and the plan, as samples without features
+        empty = empty | np.array([task_group(record) in analysis.leave_out for record in train.records])
+    keep = analysis.keep_features or SELECTIONS[stages.selection.selection].reads_features
+    target = _load_target(features, analysis.target) if analysis.target else None
+    write_analysis(analysis.path, AnalysedFeatures(points, empty, summary["kind"], summary["dim"], keep_features=keep),
+                   stages, AnalysedData(train), distributed.get_world_size(), target=target,
+                   provenance={"features": str(source), "feature_model": features.get("model"),
+                               "feature_source": features["source"]})
     own = clock.read()
-    summary = {"num_samples": len(train), "num_clusters": num_clusters,
-               "cluster_sizes": np.bincount(clusters.labels, minlength=num_clusters).tolist(),
-               "purity": purity(counts), "cluster_categories": [
-                   {name: int(count) for name, count in zip(names, row) if count} for row in counts],
-               "timings_s": {"cluster": own["wall"]}, "features": features["source"]}
-    manifest = {"dataset_fingerprint": dataset_fingerprint(train), "features": str(source),
-                "feature_model": features.get("model"), "cluster_sampling": config.model_dump()}
-    AnalysisDir(analysis.path).write(arrays, manifest, summary)
+    target_cost = {"wall": features.get("target_wall", 0.0), "cpu": features.get("target_cpu", 0.0)}
     write_json_atomic(record, {
-        "wall": features["wall"] + own["wall"], "cpu": features["cpu"] + own["cpu"],
+        "wall": features["wall"] + own["wall"] + target_cost["wall"],
+        "cpu": features["cpu"] + own["cpu"] + target_cost["cpu"],
         "extract_wall": features["extract_wall"], "extract_cpu": features["cpu"],
-        "cluster_wall": own["wall"], "cluster_cpu": own["cpu"], "source": features["source"]})
+        "cluster_wall": own["wall"], "cluster_cpu": own["cpu"], "target_wall": target_cost["wall"],
+        "target_cpu": target_cost["cpu"], "source": features["source"]})
 
 
 def materialize_near_duplicates(analysis: Analysis, kept: int, num_samples: int) -> None:
@@ -154,21 +198,23 @@ def materialize_near_duplicates(analysis: Analysis, kept: int, num_samples: int)
         distributed.agree_on_error(error, f"the near-duplicate subset {folder}")
 
 
-def ensure_analyses(arm: Arm, spec: Mapping[str, Any], train: InstructionDataset) -> None:
+def ensure_analyses(arm: Arm, spec: JobSpec, train: InstructionDataset) -> None:
     """The features and clusterings an arm reads (its match's and its own), computed when an arm first needs them:
     the gate's arms run before a feature model's extraction."""
     for name in (arm.match.analysis if arm.match else None), arm.analysis:
-        if name not in spec["analyses"]:
+        if name not in spec.analyses:
             continue
-        analysis = analysis_of(spec, name)
+        analysis = spec.analyses[name]
         if analysis.features:
-            features = spec["analyses"][analysis.features]
-            cost = ensure_features(Analysis.from_json(features), spec, train)
-            ensure_clustering(analysis, {**features, **cost}, train)
+            features = spec.analyses[analysis.features]
+            cost = ensure_features(features, spec, train)
+            if analysis.target:  # the targeted instrument: the target examples' features, with the same engine
+                cost = ensure_target_features(analysis.features, spec, train, cost)
+            ensure_clustering(analysis, {**features.to_json(), **cost}, train)
 
 
 # --------------------------------------------------------------------------- one arm
-def resolve_arm(arm: Arm, spec: Mapping[str, Any]) -> tuple[dict, Optional[int], Optional[int]]:
+def resolve_arm(arm: Arm, spec: JobSpec) -> tuple[dict, Optional[int], Optional[int]]:
     """The arm's cluster_sampling block with its budget matched to the paper arm's kept size, its fixed step
     count (None: its epochs), and the kept size.
 
@@ -176,24 +222,23 @@ def resolve_arm(arm: Arm, spec: Mapping[str, Any]) -> tuple[dict, Optional[int],
     arm's fraction of the data, and every other arm of that fraction keeps exactly as many samples.
     """
     block, steps, kept = dict(arm.cluster_sampling), arm.steps, None
-    global_batch = (spec["ds_config"]["train_micro_batch_size_per_gpu"] * distributed.get_world_size()
-                    * spec["ds_config"].get("gradient_accumulation_steps", 1))
+    global_batch = spec.global_batch
     if arm.match:
-        summary = json.loads((Path(spec["analyses"][arm.match.analysis]["path"]) / "summary.json").read_text())
+        summary = json.loads((Path(spec.analyses[arm.match.analysis].path) / "summary.json").read_text())
         sizes = summary["cluster_sizes"]
         if arm.match.budget_ratio is not None:  # r itself, as budget_mode "min" keeps it: floor(r x smallest) each
             per_cluster = math.floor(arm.match.budget_ratio * min(sizes) + 1e-9)
         else:
             per_cluster = min(min(sizes), round(arm.match.fraction * sum(sizes)) // len(sizes))
         kept = per_cluster * len(sizes)
-        if arm.method == "paper":
+        if arm.method == Method.PAPER:
             block["budget_ratio"] = per_cluster / min(sizes)
         elif arm.cut:
             steps = arm.epochs * (kept // global_batch)
         else:
             block["budget_samples"] = kept
     if arm.stretch:
-        steps = arm.epochs * (spec["num_train"] // global_batch)  # full data's step count
+        steps = arm.epochs * (spec.num_train // global_batch)  # full data's step count
     return block, steps, kept
 
 
@@ -201,7 +246,7 @@ class _Training:
     """What the training loop's hooks record: the learning rate at a few steps, and the validation loss after every
     epoch the run goes on from, its time kept out of the loop's."""
 
-    def __init__(self, engine: Any, loader: Any, total_steps: int, tokenizer: Any, spec: Mapping[str, Any],
+    def __init__(self, engine: Any, loader: Any, total_steps: int, tokenizer: Any, spec: JobSpec,
                  validation: list[dict]) -> None:
         self.engine, self.loader, self.total_steps = engine, loader, total_steps
         self.tokenizer, self.spec, self.validation = tokenizer, spec, validation
@@ -224,7 +269,7 @@ class _Training:
         loss = evaluate(self.engine.module, self.tokenizer, self.validation, self.spec, [])["loss"]
         spent = during.read()
         self.evaluating = {kind: self.evaluating[kind] + spent[kind] for kind in ("wall", "cpu")}
-        self.curve.append({"epoch": step / self.loader.plan.steps_per_epoch, "step": step,
+        self.curve.append({"epoch": step / steps_per_epoch(self.engine, self.loader), "step": step,
                            "loop": self.loop_so_far(), "loss": loss})
         self.engine.train()
 
@@ -235,66 +280,76 @@ class _Training:
         self.clock = Clock()
         self.engine.train()
         return train_loop(self.engine, self.loader, epochs=sys.maxsize, max_steps=self.total_steps,
-                          hooks=LoopHooks(after_step=self.after_step, after_epoch=self.after_epoch))
+                          # The targeted instrument reads each arm at its end only (its arms' steps are fixed).
+                          hooks=LoopHooks(after_step=self.after_step,
+                                          after_epoch=None if self.spec.per_record else self.after_epoch))
 
 
-def _initialize(arm: Arm, spec: Mapping[str, Any], train: InstructionDataset) -> tuple[Any, Any, dict, int, dict]:
-    """A fresh copy of the base model under `ds_cluster.initialize` with the arm's resolved block: (engine, loader,
-    block, total steps, set-up time)."""
+def _initialize(arm: Arm, spec: JobSpec, train: InstructionDataset) -> tuple[Any, Any, dict, int, dict]:
+    """A fresh copy of the base model under `ds_cluster.initialize` with the arm's resolved block (or, for an arm
+    whose block says `"enabled": false`, DeepSpeed's own loader: plain DeepSpeed): (engine, loader, block, total
+    steps, set-up time)."""
     import ds_cluster
     from ds_cluster.data.models import load_model_and_tokenizer
-    from ds_cluster.loader.lr_schedules import run_lr_schedule
+    from ds_cluster.loader.lr_schedules import LateLRSchedule
 
     torch.manual_seed(arm.seed)
-    model, _ = load_model_and_tokenizer(spec["base_model"])
-    if spec.get("peft", "none") == "lora":
+    model, _ = load_model_and_tokenizer(spec.base_model)
+    if spec.peft == "lora":
         from ds_cluster.data.models import with_lora
 
-        model = with_lora(model, spec["lora_rank"], seed=arm.seed)
-    config = json.loads(json.dumps(spec["ds_config"]))
-    config["optimizer"]["params"]["lr"] = spec["learning_rate"]
+        model = with_lora(model, spec.lora_rank, seed=arm.seed)
+    config = json.loads(json.dumps(spec.ds_config))
+    config["optimizer"]["params"]["lr"] = spec.learning_rate
     block, fixed_steps, kept = resolve_arm(arm, spec)
-    analysis = analysis_of(spec, arm.analysis)
-    if analysis.near_duplicates:
+    plain = block.get("enabled") is False
+    analysis = spec.analyses[arm.analysis]
+    if analysis.near_duplicates and not plain:
         materialize_near_duplicates(analysis, kept, len(train))
     block["analysis_path"] = analysis.path
     if block.get("schedule") == "adaptive":
-        block["schedule_log"] = str(Path(spec["work_dir"]) / "arms" / f"{arm.name}.schedule.jsonl")
-    config["data_efficiency"]["data_sampling"]["cluster_sampling"] = {**block, "enabled": True}
-    steps = {"total": 0}
-    made: dict[str, Any] = {}  # the loader, once ds_cluster.initialize has built it
-    schedule = run_lr_schedule(lambda: steps["total"], spec["warmup_fraction"], lambda: made.get("loader"))
+        block["schedule_log"] = str(spec.work / "arms" / f"{arm.name}.schedule.jsonl")
+    config["data_efficiency"]["data_sampling"]["cluster_sampling"] = {**block, "enabled": not plain}
+    late_lr = LateLRSchedule(spec.warmup_fraction)  # its length is the plan's, known once initialize returns
     clock = Clock()
     engine, _, loader, _ = ds_cluster.initialize(
         model=model, model_parameters=model.parameters(), training_data=train, config=config,
-        collate_fn=trim_padding_collate,
-        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
-    made["loader"] = loader
-    steps["total"] = fixed_steps or arm.epochs * loader.plan.steps_per_epoch
-    return engine, loader, block, steps["total"], clock.read()
+        collate_fn=trim_padding_collate, lr_scheduler=late_lr.scheduler)
+    total_steps = fixed_steps or arm.epochs * steps_per_epoch(engine, loader)
+    late_lr.start(loader, total_steps)
+    return engine, loader, block, total_steps, clock.read()
 
 
-def run_arm(arm: Arm, spec: Mapping[str, Any], train: InstructionDataset, tokenizer: Any,
+def steps_per_epoch(engine: Any, loader: Any) -> int:
+    """Optimizer steps in one of the loader's epochs: the plan's, or DeepSpeed's own loader's."""
+    planned = cluster_loader(loader)
+    return planned.plan.steps_per_epoch if planned is not None else len(loader) // engine.gradient_accumulation_steps()
+
+
+def run_arm(arm: Arm, spec: JobSpec, train: InstructionDataset, tokenizer: Any,
             splits: dict[str, list[dict]]) -> dict[str, Any]:
     """Train one arm from the base model and evaluate it (collective)."""
     load_before = os.getloadavg()
     engine, loader, block, total_steps, set_up = _initialize(arm, spec, train)
-    plan = loader.plan
+    planned = cluster_loader(loader)
+    epoch_steps = steps_per_epoch(engine, loader)
     training = _Training(engine, loader, total_steps, tokenizer, spec, splits["validation"])
     looped = training.run()
     loop = training.loop_so_far()
     clock = Clock()
-    evaluation = {split: evaluate(engine.module, tokenizer, records, spec, spec["exact_match_families"])
+    evaluation = {split: evaluate(engine.module, tokenizer, records, spec, scored_families(spec, split))
                   for split, records in splits.items()}
     evaluated = clock.read()
-    curve = training.curve + [{"epoch": engine.global_steps / plan.steps_per_epoch, "step": engine.global_steps,
+    curve = training.curve + [{"epoch": engine.global_steps / epoch_steps, "step": engine.global_steps,
                                "loop": loop, "loss": evaluation["validation"]["loss"]}]
-    # The adaptive schedule keeps what it drew (a sample counts once); the static plan what it selected.
-    kept = int(loader.consumed().sum())
+    # The adaptive schedule keeps what it drew (a sample counts once); the static plan what it selected; plain
+    # DeepSpeed every record.
+    kept = int(planned.consumed().sum()) if planned is not None else len(train)
     result = {
         "arm": arm.to_json(), "cluster_sampling": block, "steps": engine.global_steps, "num_kept": kept,
-        "num_samples": plan.num_samples, "kept_fraction": kept / plan.num_samples,
-        "kept_sizes": plan.kept_sizes.tolist(), "steps_per_epoch": plan.steps_per_epoch, "plan": plan.fingerprint(),
+        "num_samples": len(train), "kept_fraction": kept / len(train),
+        "kept_sizes": planned.plan.kept_sizes.tolist() if planned is not None else [len(train)],
+        "steps_per_epoch": epoch_steps, "plan": planned.plan.fingerprint() if planned is not None else None,
         "time": {"setup": summed(set_up), "loop": loop, "evaluation": summed(evaluated),
                  "validation_during_training": summed(training.evaluating),
                  "loader_wall": max(distributed.all_gather_object(looped.loader_wall))},
@@ -304,30 +359,38 @@ def run_arm(arm: Arm, spec: Mapping[str, Any], train: InstructionDataset, tokeni
         "load_average": {"before": load_before, "after": os.getloadavg()},
         **evaluation,
     }
-    del engine, loader, training
+    if spec.per_record and planned is not None:  # the targeted instrument reads what each arm trained on
+        result["selected"] = planned.plan.selected.tolist()
+    del engine, loader, planned, training
     gc.collect()
     return result
 
 
+def scored_families(spec: JobSpec, split: str) -> list:
+    """The families greedy exact match is scored on in `split`: the label families; the targeted instrument chooses
+    by the answer loss on validation, so it generates on held-out only."""
+    return [] if spec.per_record and split == "validation" else spec.exact_match_families
+
+
 # --------------------------------------------------------------------------- the job
-def checked_gate(work: Path, spec: Mapping[str, Any]) -> dict[str, Any]:
+def checked_gate(work: Path, spec: JobSpec) -> dict[str, Any]:
     """The calibration gate's decision and its text, as WORK/gate.json holds them."""
-    decision = calibration_gate(work, dict(spec))
+    decision = calibration_gate(work, spec.gate)
     return {**decision, "text": gate_text(decision)}
 
 
-def _evaluate_base(model: Any, tokenizer: Any, splits: dict[str, list[dict]], spec: Mapping[str, Any],
+def _evaluate_base(model: Any, tokenizer: Any, splits: dict[str, list[dict]], spec: JobSpec,
                    work: Path) -> None:
     """WORK/base.json: the base model on every split (and the synthetic copy probe), once (collective)."""
     base_path = work / "base.json"
     if exists_on_rank0(base_path):
         return
     clock = Clock()
-    base = {split: evaluate(model, tokenizer, records, spec, spec["exact_match_families"])
+    base = {split: evaluate(model, tokenizer, records, spec, scored_families(spec, split))
             for split, records in splits.items()}
     base["time"] = summed(clock.read())
-    if spec["instrument"] == "synthetic":
-        base["copy_probe"] = {"exact_match": copy_probe(model, tokenizer, spec), "records": spec["copy_probe_records"]}
+    if spec.instrument == "synthetic":
+        base["copy_probe"] = {"exact_match": copy_probe(model, tokenizer, spec), "records": spec.copy_probe_records}
     if distributed.get_rank() == 0:
         write_json_atomic(base_path, base)
         print(f"base model: validation macro answer loss "
@@ -335,11 +398,11 @@ def _evaluate_base(model: Any, tokenizer: Any, splits: dict[str, list[dict]], sp
     barrier()
 
 
-def _run_arms(spec: Mapping[str, Any], train: InstructionDataset, tokenizer: Any, splits: dict[str, list[dict]],
+def _run_arms(spec: JobSpec, train: InstructionDataset, tokenizer: Any, splits: dict[str, list[dict]],
               startup: dict[str, float]) -> None:
     """Every arm not finished yet, in the spec's order; the gate after its arms (a failed gate stops the job)."""
-    work, rank = Path(spec["work_dir"]), distributed.get_rank()
-    arms = [Arm.from_json(arm) for arm in spec["arms"]]
+    work, rank = spec.work, distributed.get_rank()
+    arms = spec.arms
     for number, arm in enumerate(arms, start=1):
         path = work / "arms" / f"{arm.name}.json"
         if not exists_on_rank0(path):
@@ -354,7 +417,7 @@ def _run_arms(spec: Mapping[str, Any], train: InstructionDataset, tokenizer: Any
                       f"({result['time']['loop']['cpu']:.0f} CPU s), validation macro answer loss "
                       f"{sum(validation.values()) / len(validation):.4f}", flush=True)
             barrier()
-        if arm.name == spec.get("gate_after"):
+        if arm.name == spec.gate_after:
             gate = checked_gate(work, spec)
             if rank == 0:
                 write_json_atomic(work / "gate.json", gate)
@@ -372,21 +435,23 @@ def main(process_started: float) -> int:
     parser.add_argument("--spec", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
-    spec = json.loads(Path(args.spec).read_text())
-    work = Path(spec["work_dir"])
+    spec = JobSpec.read(Path(args.spec))
+    work = spec.work
     distributed.init_distributed()
     rank = distributed.get_rank()
     random.seed(0)
-    model, tokenizer = load_model_and_tokenizer(spec["base_model"], rank=rank)
-    train = InstructionDataset(read_jsonl(spec["train"]), tokenizer, max_length=spec["max_length"], rank=rank)
+    model, tokenizer = load_model_and_tokenizer(spec.base_model, rank=rank)
+    train = InstructionDataset(read_jsonl(spec.path("train")), tokenizer, max_length=spec.max_length, rank=rank)
+    if spec.per_record and rank == 0:  # each record's tokens, for the selections' lengths
+        np.save(Path(spec.path("train")).parent / "train_tokens.npy", train.attention_mask.sum(dim=1).numpy())
     # Choosing (bench/quality.py --choose) never evaluates held-out.
-    splits = {name: read_jsonl(spec[name]) for name in spec["evaluate_splits"]}
-    startup = summed({"wall": time.time() - spec["launched_at"], "cpu": time.process_time()})
+    splits = {name: read_jsonl(spec.path(name)) for name in spec.evaluate_splits}
+    startup = summed({"wall": time.time() - spec.launched_at, "cpu": time.process_time()})
     if rank == 0:
         write_json_atomic(work / "startup.json", {**startup, "process_started": process_started})
     _evaluate_base(model, tokenizer, splits, spec, work)
     del model
-    for reason in spec.get("skipped") or []:
+    for reason in spec.skipped:
         if rank == 0:
             print(f"skipped: {reason}", flush=True)
     _run_arms(spec, train, tokenizer, splits, startup)

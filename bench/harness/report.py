@@ -264,7 +264,8 @@ def _loader_sections(arms: Sequence[Arm], results: Mapping[str, dict]) -> list[s
     """Every arm's wall time, the loader's share of the loop overall, and per setting beside the adaptive ones."""
     lines = ["## Wall time per arm", "",
              "Every arm is its own run, full data stopped at the subsets' step count (full_cut) included: its learning "
-             "rate warms up over the recipe's share of its own steps and decays by cosine to 0 at its own last step, never "
+             "rate warms up over the recipe's share of its own steps and decays by cosine to 0 at its own last step, "
+             "never "
              "a cut of a longer run's schedule (the learning-rate column: as the job recorded it).", "",
              arm_wall_table(results, arms), ""]
     shares = [r["time"]["loader_wall"] / max(r["time"]["loop"]["wall"], 1e-9) for r in results.values()

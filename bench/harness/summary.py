@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from bench.harness.arms import FULL_DATA_METHODS, RECOMMENDED_METHODS, Arm
+from bench.harness.arms import FULL_DATA_METHODS, RECOMMENDED_METHODS, Arm, Method
 
 TARGET_SHARE = 0.05
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -49,7 +49,9 @@ def format_stat(stat: Optional[Mapping[str, float]], digits: int = 3) -> str:
     """'mean ± ci' of a summary statistic, the mean alone with one seed, '—' where nothing was measured."""
     if stat is None or stat["mean"] != stat["mean"]:
         return "—"
-    return f"{stat['mean']:.{digits}f}" if stat["ci"] != stat["ci"] else f"{stat['mean']:.{digits}f} ± {stat['ci']:.{digits}f}"
+    if stat["ci"] != stat["ci"]:  # NaN: one seed, no interval
+        return f"{stat['mean']:.{digits}f}"
+    return f"{stat['mean']:.{digits}f} ± {stat['ci']:.{digits}f}"
 
 
 def paired_difference(per_seed: Mapping[int, dict], other: Mapping[int, dict], split: str) -> dict[str, dict]:
@@ -166,16 +168,17 @@ def partners(arms: Sequence[Arm]) -> dict[str, Partners]:
             continue
         # An arm that keeps another count than its fraction's paper arm (an ablation) names its own random subset.
         found[setting] = Partners(
-            random=arm.baseline or plain("random", fraction, arm.stretch),
-            neardup=plain("neardup", fraction) if arm.method in RECOMMENDED_METHODS and not arm.stretch else None,
-            full_cut=plain("full_cut", fraction) if arm.method not in FULL_DATA_METHODS and not arm.stretch else None,
-            recommended=plain("recommended", fraction) if arm.method == "adaptive" else None)
+            random=arm.baseline or plain(Method.RANDOM, fraction, arm.stretch),
+            neardup=plain(Method.NEARDUP, fraction) if arm.method in RECOMMENDED_METHODS and not arm.stretch else None,
+            full_cut=(plain(Method.FULL_CUT, fraction) if arm.method not in FULL_DATA_METHODS and not arm.stretch
+                      else None),
+            recommended=plain(Method.RECOMMENDED, fraction) if arm.method == Method.ADAPTIVE else None)
     return found
 
 
 def full_setting(arms: Sequence[Arm]) -> Optional[str]:
     """The full-data setting (the time and quality reference)."""
-    return next((arm.setting for arm in arms if arm.method == "full"), None)
+    return next((arm.setting for arm in arms if arm.method == Method.FULL), None)
 
 
 # --------------------------------------------------------------------------- per setting

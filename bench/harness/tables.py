@@ -38,7 +38,8 @@ def table(summary: dict, names: list[str]) -> str:
     for name in names:
         e = summary["settings"][name]
         lines.append(f"| {name} | {len(e['seeds'])} | {format_stat(e['kept_fraction'])} | {e['steps']['mean']:.0f} | "
-                     f"{format_stat(e['ratio_total_cpu'])} | {format_stat(e['ratio_loop_selection_cpu'])} | {format_stat(e['loss_macro'])} | "
+                     f"{format_stat(e['ratio_total_cpu'])} | {format_stat(e['ratio_loop_selection_cpu'])} | "
+                     f"{format_stat(e['loss_macro'])} | "
                      f"{format_stat(e['loss_worst'])} | {format_stat(e['em_macro'])} | {format_stat(e['em_worst'])} |")
     return "\n".join(lines)
 
@@ -50,7 +51,8 @@ def difference_table(summary: dict, names: list[str], key: str, title: str) -> s
         v = summary["settings"][name].get(key)
         if v:
             lines.append(f"| {name} | {v['loss_macro']['n']} | {format_stat(v['loss_macro'])} | "
-                         f"{format_stat(v['loss_worst'])} | {format_stat(v['em_macro'])} | {format_stat(v['em_worst'])} |")
+                         f"{format_stat(v['loss_worst'])} | {format_stat(v['em_macro'])} | "
+                         f"{format_stat(v['em_worst'])} |")
     return "\n".join(lines)
 
 
@@ -82,8 +84,8 @@ def target_table(summary: dict, names: list[str]) -> str:
         if not t["reached"]:
             lines.append(f"| {name} | 0 of {t['of']} | not reached | — | — | — |")
             continue
-        lines.append(f"| {name} | {t['reached']} of {t['of']} | {format_stat(t['epoch'], 2)} | {format_stat(t['cpu'], 0)} | "
-                     f"{format_stat(t['wall'], 0)} | {format_stat(t['ratio_cpu'])} |")
+        lines.append(f"| {name} | {t['reached']} of {t['of']} | {format_stat(t['epoch'], 2)} | "
+                     f"{format_stat(t['cpu'], 0)} | {format_stat(t['wall'], 0)} | {format_stat(t['ratio_cpu'])} |")
     return "\n".join(lines)
 
 
@@ -110,12 +112,14 @@ def time_table(summary: dict, names: list[str]) -> str:
 
 
 def feature_source_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    lines = ["| feature source | model | analyses | extraction CPU s | k-means CPU s | selection / full data's run (CPU) "
-             "| k-means purity (task groups) | clusters |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| feature source | model | analyses | extraction CPU s | k-means CPU s "
+             "| selection / full data's run (CPU) | k-means purity (task groups) | clusters |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         share = f"{row['share_of_full']:.3f}" if row.get("share_of_full") is not None else "-"
-        lines.append(f"| {row['source']} | `{Path(row['model']).name}` | {row['analyses']} | {row['extract_cpu']:.1f} | "
-                     f"{row['cluster_cpu']:.1f} | {share} | {row['purity']:.3f} | {row['clusters']:.0f} |")
+        lines.append(f"| {row['source']} | `{Path(row['model']).name}` | {row['analyses']} | "
+                     f"{row['extract_cpu']:.1f} | {row['cluster_cpu']:.1f} | {share} | {row['purity']:.3f} | "
+                     f"{row['clusters']:.0f} |")
     return "\n".join(lines)
 
 
@@ -127,8 +131,8 @@ def arm_wall_table(results: Mapping[str, dict], arms: Sequence[Arm]) -> str:
              "|---|---|---|---|---|"]
     for name in sorted(results, key=lambda n: (by_name[n].seed, order(by_name[n].setting))):
         result = results[name]
-        lines.append(f"| {name} | {result['steps']} | {_schedule_cell(result)} | {result['time']['loop']['wall']:.1f} | "
-                     f"{result['time']['evaluation']['wall']:.1f} |")
+        lines.append(f"| {name} | {result['steps']} | {_schedule_cell(result)} | "
+                     f"{result['time']['loop']['wall']:.1f} | {result['time']['evaluation']['wall']:.1f} |")
     return "\n".join(lines)
 
 
@@ -146,5 +150,6 @@ def ablation_table(rows: Sequence[Mapping[str, Any]]) -> str:
              "| reading (macro) |", "|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['what']}: `{row['first']}` minus `{row['second']}` | {row['loss_macro']['n']} | "
-                     f"{format_stat(row['loss_macro'])} | {format_stat(row['loss_worst'])} | {row['claim']} | {row['reading']} |")
+                     f"{format_stat(row['loss_macro'])} | {format_stat(row['loss_worst'])} | {row['claim']} | "
+                     f"{row['reading']} |")
     return "\n".join(lines)

@@ -169,7 +169,8 @@ def _link_by_content_keys(records: Sequence[SourceRecord], prompt_words: list[tu
 def _link_near_duplicates(records: Sequence[SourceRecord], prompt_words: list[tuple[str, ...]],
                           answer_words: list[tuple[str, ...]], prompt_of: list[int], links: UnionFind) -> None:
     """Rule 3: link records that share enough example 8-grams (see ``example_group_ids``)."""
-    shingles = [word_ngrams(p, SHINGLE_WORDS) | word_ngrams(a, SHINGLE_WORDS) for p, a in zip(prompt_words, answer_words)]
+    shingles = [word_ngrams(p, SHINGLE_WORDS) | word_ngrams(a, SHINGLE_WORDS)
+                for p, a in zip(prompt_words, answer_words)]
     record_counts = Counter(s for record_shingles in shingles for s in record_shingles)
     template_prompts: dict[str, set[int]] = defaultdict(set)
     shingle_prompts: dict[tuple[tuple[str, ...], str], set[int]] = defaultdict(set)
@@ -192,7 +193,8 @@ def _link_near_duplicates(records: Sequence[SourceRecord], prompt_words: list[tu
         for shingle in record_shingles:
             holders[shingle].append(index)
     shared = Counter(
-        (first, second) for indices in holders.values() for n, first in enumerate(indices) for second in indices[n + 1 :]
+        (first, second) for indices in holders.values() for n, first in enumerate(indices)
+        for second in indices[n + 1:]
     )
     answer_records = Counter(answer_words)
     for (first, second), count in shared.items():
@@ -204,7 +206,8 @@ def _link_near_duplicates(records: Sequence[SourceRecord], prompt_words: list[tu
             links.union(first, second)
 
 
-EXAMPLE_GROUP_RULE_MARKDOWN = f"""Every record carries `example_id` (`"<dataset>:<n>"`): the records of one dataset that render
+EXAMPLE_GROUP_RULE_MARKDOWN = f"""\
+Every record carries `example_id` (`"<dataset>:<n>"`): the records of one dataset that render
 the same underlying example share it, and no example group is on both sides of the split. Carve any
 further split out of train (e.g. validation) by `example_id` too. Groups are built per dataset
 (`bench.real.example_groups.example_group_ids`) over the records left after the filter, on

@@ -51,7 +51,8 @@ DEFAULT_SETTINGS = SliceSettings(heldout_per_family=150, train_size=9000, min_fa
 EXAMPLE_GROUPS_NOTE = """
 FLAN uses one template per source, so rule 2 links nothing here (any content two questions share
 is, by its test, held by two prompts of the template); the groups come from rule 1 (the same question
-up to case and punctuation) and rule 3 (near-duplicate questions). Measured on this snapshot after the filter: aqua, 2,401 records in 1,237 groups, 1,423 of
+up to case and punctuation) and rule 3 (near-duplicate questions). Measured on this snapshot after the filter:
+aqua, 2,401 records in 1,237 groups, 1,423 of
 them in 259 groups of two to 29 (one problem with other numbers or options, e.g. "A train 360 m long
 is running at a speed of 45 km/hr ..." with other lengths and speeds, or "Find the value of y from
 (12)^3 x 6^4 ÷ 432 = y?" with other options; the 8-grams of such a problem occur in up to 48 records,

@@ -16,7 +16,8 @@ source for minutes; only its GGUF file is read here, and without importing the p
 
 Idempotent: a folder whose manifest names the same GGUF file (size and SHA-256) is left as it is.
 The folder is built beside the target and swapped in, so an interrupted run leaves no half folder.
-After saving, the folder is reloaded and checked against the GGUF-loaded model: the same weights, the same\nlogits up to float rounding.
+After saving, the folder is reloaded and checked against the GGUF-loaded model: the same weights, the same
+logits up to float rounding.
 """
 from __future__ import annotations
 

@@ -144,7 +144,8 @@ def _cached_manifest(path: Path, recipe: dict[str, Any]) -> Optional[dict[str, A
 
 
 def _pretraining_batches(texts: list[str], tokenizer) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(input_ids, attention_mask, labels) batches of ``<s> text </s>``, cut to PRETRAIN_MAX_LENGTH, padded to the longest.
+    """(input_ids, attention_mask, labels) batches of ``<s> text </s>``, cut to PRETRAIN_MAX_LENGTH, padded to the
+    longest.
 
     The mask comes from each row's length, not from the pad id, so a tokenizer that pads with its eos
     token still attends to the real eos.

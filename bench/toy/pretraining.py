@@ -35,7 +35,8 @@ _LINE_CHOICES = (("Copy the first line.", 0), ("Copy the second line.", 1))
 
 @dataclass(frozen=True)
 class CorpusMix:
-    """Shares of each kind of document (chosen so the copy probe passes; bench/results/recipe/single_process/REPORT.md)."""
+    """Shares of each kind of document (chosen so the copy probe passes;
+    bench/results/recipe/single_process/REPORT.md)."""
 
     copy: float = 0.6           # plain copy of a snippet, among documents that are not wrapped copies
     say: float = 0.1            # "Say X." with no input

@@ -10,6 +10,13 @@ An analysis is what the plan is built from::
     manifest.json    what produced it: model, data, fingerprints, feature and clustering settings
     summary.json     N, num_empty, cluster sizes, kind, dim, timings, category purity
 
+and, when it was made with target examples (docs/targeted.md)::
+
+    target_features.npy  (T, d) float32 the target examples' features (same extraction, engine and kind)
+    target.json          each example's target, the targets' names, the examples' fingerprint, source and prompts
+
+(the manifest's `target_fingerprint` names the target set it was made with).
+
 `ds-cluster analyze` (and a training job that finds no analysis) writes all of
 it; a hand-made analysis may hold just `features.npy` and/or `labels.npy`.
 `empty_mask.npy` is the one record of the samples left out, and the plan reads
@@ -20,38 +27,82 @@ write leaves the previous analysis intact.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from ds_cluster.clustering.samples import PlanInputs
 from ds_cluster.fileio import replace_dir, staging_dir, write_json_atomic, write_npy_atomic
 
 ANALYSIS_FORMAT_VERSION = 1
 STORE_DIRNAME = ".feature_store"
 MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
+TARGET_FEATURES = "target_features.npy"
+TARGET = "target.json"
 
 
-@dataclass
-class PlanInputs:
-    """What the plan is built from: features and/or labels of an analysis, and the samples left out."""
+@dataclass(frozen=True)
+class AnalysedTarget:
+    """The target examples of an analysis: their feature rows (T, d), each one's target (T,) as an index into
+    `group_names`, the fingerprint of the examples (`data.target.target_fingerprint`), where they were read, and
+    their prompts (for the report)."""
 
-    features: Optional[np.ndarray]
-    labels: Optional[np.ndarray]
-    exclude: Optional[np.ndarray]
-    distances: Optional[np.ndarray] = None  # with labels: each sample's distance to its k-means centre
-    centroids: Optional[np.ndarray] = None
+    features: np.ndarray
+    groups: np.ndarray
+    group_names: tuple[str, ...]
+    fingerprint: str
+    source: Optional[str] = None
+    prompts: tuple[str, ...] = ()
 
-    def plan_arguments(self) -> dict:
-        """Keyword arguments of `build_plan` (features first)."""
-        return {"features": self.features, "labels": self.labels, "exclude": self.exclude,
-                "distances": self.distances, "centroids": self.centroids}
+    def to_json(self) -> dict[str, Any]:
+        """target.json: everything but the rows."""
+        return {"fingerprint": self.fingerprint, "group_names": list(self.group_names),
+                "groups": [int(group) for group in self.groups], "source": self.source, "prompts": list(self.prompts)}
+
+    def counts(self) -> dict[str, int]:
+        """How many examples each target has."""
+        return {name: int((np.asarray(self.groups) == index).sum()) for index, name in enumerate(self.group_names)}
+
+
+@dataclass(frozen=True)
+class AnalysisTimings:
+    """Wall seconds of an analysis's parts (its summary.json's `timings_s`): the features pass over every rank, rank
+    0's seconds in the engine's forwards and in the features computed from them, k-means, and the whole."""
+
+    extract: float = 0.0
+    extract_forward: float = 0.0
+    extract_features: float = 0.0
+    cluster: float = 0.0
+    total: float = 0.0
+
+    @classmethod
+    def from_json(cls, timings: Mapping[str, float]) -> "AnalysisTimings":
+        return cls(**{item.name: float(timings.get(item.name, 0.0)) for item in dataclasses.fields(cls)})
+
+    def to_json(self) -> dict[str, float]:
+        return {item.name: getattr(self, item.name) for item in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class InJobAnalysis:
+    """An analysis a training job computed before its first step: its parts' timings, and the wall and CPU seconds
+    the set-up spent on it (engine start included). What `ClusterDataLoader.analysis` holds (None: read)."""
+
+    timings: AnalysisTimings
+    wall: float
+    cpu: float
+
+    def to_json(self) -> dict[str, float]:
+        """As a training summary writes it (`analysis_timings`)."""
+        return {**self.timings.to_json(), "wall": self.wall, "cpu": self.cpu}
 
 
 class AnalysisDir:
@@ -88,9 +139,35 @@ class AnalysisDir:
         raise FileNotFoundError(f"{self.path} holds neither features.npy nor labels.npy; run `ds-cluster analyze` "
                                 "first")
 
+    def target_fingerprint(self) -> Optional[str]:
+        """The fingerprint of the target set the analysis was made with (its manifest's), None without one."""
+        return (self.manifest() or {}).get("target_fingerprint")
+
+    def load_target(self) -> Optional[AnalysedTarget]:
+        """The analysis's target examples (features, targets, fingerprint), None when it was made without; ValueError
+        when its target files are missing, unreadable or disagree with each other or with the manifest."""
+        recorded = self.target_fingerprint()
+        document = self._json(TARGET)
+        if recorded is None and document is None:
+            return None
+        features = self._array(TARGET_FEATURES, ndim=2)
+        if document is None or features is None or document.get("fingerprint") != recorded:
+            raise ValueError(f"{self.path}: its target files ({TARGET_FEATURES}, {TARGET}) are missing or do not "
+                             f"match its manifest's target_fingerprint {recorded}; rerun `ds-cluster analyze --target`")
+        groups = np.asarray(document["groups"], dtype=np.int64)
+        names = tuple(document["group_names"])
+        if groups.shape != (features.shape[0],) or (groups.size and not 0 <= groups.min() <= groups.max() < len(names)):
+            raise ValueError(f"{self.path / TARGET}: its groups do not fit {features.shape[0]} target examples of "
+                             f"{len(names)} targets; rerun `ds-cluster analyze --target`")
+        if not np.isfinite(features).all():
+            raise ValueError(f"{self.path / TARGET_FEATURES} has NaN or inf; rerun `ds-cluster analyze --target`")
+        return AnalysedTarget(features=features.astype(np.float32, copy=False), groups=groups, group_names=names,
+                              fingerprint=str(recorded), source=document.get("source"),
+                              prompts=tuple(document.get("prompts") or ()))
+
     # ------------------------------------------------------------------ read and check
     def load_inputs(self, dataset_size: int, dataset_fingerprint: Optional[str] = None) -> PlanInputs:
-        """features/labels for `build_plan`, checked against the dataset about to be trained on.
+        """features/labels for `clustering.samples.cluster_samples`, checked against the dataset about to be trained on.
 
         The arrays must have one row per sample; when manifest.json records a
         dataset fingerprint, it must be `dataset_fingerprint` (an analysis of
@@ -182,18 +259,28 @@ class AnalysisDir:
 
     # ------------------------------------------------------------------ write
     def write(self, arrays: dict[str, np.ndarray], manifest: dict[str, Any], summary: dict[str, Any],
-              store: Optional[Path] = None) -> None:
+              store: Optional[Path] = None, target: Optional[AnalysedTarget] = None,
+              kept: Sequence[str] = ()) -> None:
         """Write a whole analysis and swap it in for the folder's current content.
 
-        A feature store kept inside the folder (`store`) is moved into the new one.
+        A feature store kept inside the folder (`store`) is moved into the new one; `target`: its target examples'
+        files, and the manifest's `target_fingerprint`; `kept`: files of the current folder that go into the new one
+        as they are (linked, not copied).
         """
         manifest = {"format_version": ANALYSIS_FORMAT_VERSION, **manifest}
+        if target is not None:
+            arrays = {**arrays, TARGET_FEATURES: np.asarray(target.features, dtype=np.float32)}
+            manifest["target_fingerprint"] = target.fingerprint
         staging = staging_dir(self.path)
         carried = store is not None and store.exists() and store.parent.resolve() == self.path.resolve()
         try:
             try:
+                for name in kept:
+                    _link_or_copy(self.path / name, staging / name)
                 for name, array in arrays.items():
                     write_npy_atomic(staging / name, array)
+                if target is not None:
+                    write_json_atomic(staging / TARGET, target.to_json())
                 write_json_atomic(staging / MANIFEST, manifest)
                 write_json_atomic(staging / SUMMARY, summary)
             except OSError as err:
@@ -208,6 +295,19 @@ class AnalysisDir:
                 raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+    def replace_target(self, target: AnalysedTarget) -> None:
+        """The same analysis with another target set: its arrays, summary and feature store as they are, the target's
+        files and the manifest's `target_fingerprint` new; swapped in whole, so a failure leaves the old one."""
+        self._require_folder()
+        manifest = self.manifest() or {}
+        summary = self.summary() or {}
+        manifest.pop("format_version", None)
+        summary["target"] = {"num_examples": int(np.asarray(target.groups).size), "examples": target.counts()}
+        kept = [path.name for path in self.path.iterdir() if path.is_file()
+                and path.name not in (MANIFEST, SUMMARY, TARGET, TARGET_FEATURES)]
+        store = self.store_path()
+        self.write({}, manifest, summary, store=store if store.is_dir() else None, target=target, kept=kept)
 
     def _write_error(self, err: OSError, staging: Path, arrays: dict[str, np.ndarray]) -> OSError:
         """The write error with what it means: numpy reports a full disk only as "N requested and M written"."""
@@ -224,3 +324,11 @@ class AnalysisDir:
         code = errno.ENOSPC if full else (err.errno or errno.EIO)
         return OSError(code, f"cannot write the analysis {self.path}: {cause}. The previous analysis there, if any, "
                              "is unchanged")
+
+
+def _link_or_copy(source: Path, destination: Path) -> None:
+    """`source` at `destination` too: a hard link (no copy of a large array), else a copy."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from ds_cluster.analysis.folder import PlanInputs
+    from ds_cluster.analysis.folder import AnalysedTarget
+    from ds_cluster.clustering.samples import PlanInputs
     from ds_cluster.planning.plan import Plan
 
 logger = logging.getLogger("ds_cluster.cli")
@@ -45,12 +46,16 @@ def add_plan_inputs(parser: argparse.ArgumentParser) -> None:
                         help="micro-steps per optimizer step (default: the config's gradient_accumulation_steps)")
 
 
-def build_plan_from_args(args: argparse.Namespace) -> tuple["Plan", "PlanInputs"]:
-    """The plan the hook would build for this analysis, config and batch shape (pure: no process group)."""
+def build_plan_from_args(args: argparse.Namespace) -> tuple["Plan", "PlanInputs", Optional["AnalysedTarget"]]:
+    """The plan the hook would build for this analysis, config and batch shape (pure: no process group), the
+    analysis's inputs, and its target examples (None when it was made without). A targeted selection reads the
+    analysis's target, which must be the config's `target` (same examples, same targets)."""
     from ds_cluster.analysis.folder import AnalysisDir
     from ds_cluster.batching import batch_shape_from_config
     from ds_cluster.config import ClusterSamplingConfig
     from ds_cluster.ds_config import read_ds_config
+    from ds_cluster.clustering.samples import cluster_samples
+    from ds_cluster.data.target import read_target_fingerprint
     from ds_cluster.planning.plan import build_plan
 
     config_dict, source = read_ds_config(args.deepspeed)
@@ -62,8 +67,17 @@ def build_plan_from_args(args: argparse.Namespace) -> tuple["Plan", "PlanInputs"
                                     gradient_accumulation_steps=args.gradient_accumulation_steps, flags=BATCH_FLAGS)
     analysis = AnalysisDir(args.analysis)
     inputs = analysis.load_inputs(analysis.num_samples())
-    plan = build_plan(config=settings, world_size=shape.world_size,
-                      micro_batch_size=shape.micro_batch_size,
-                      gradient_accumulation_steps=shape.gradient_accumulation_steps,
-                      **inputs.plan_arguments())
-    return plan, inputs
+    target = analysis.load_target()
+    stages = settings.stages()
+    configured = stages.selection.target
+    if configured is not None:
+        fingerprint = read_target_fingerprint(configured.data, group_field=configured.group_field,
+                                              groups=configured.groups)
+        if target is None or target.fingerprint != fingerprint:
+            held = "no target" if target is None else f"the target set {target.fingerprint}"
+            raise ValueError(f"{args.analysis} holds {held}, not the config's cluster_sampling.target "
+                             f"{configured.data} ({fingerprint}): rerun `ds-cluster analyze --target "
+                             f"{configured.data}` (its other target keys from the same config)")
+    plan = build_plan(cluster_samples(inputs, stages.clustering, shape.world_size), stages, shape,
+                      target=target if configured is not None else None)
+    return plan, inputs, target

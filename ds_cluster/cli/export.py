@@ -16,7 +16,9 @@ examples:
 
 Each kept record is written unchanged, in its original order, plus `cluster` and `weight` fields
 (multiply the record's loss by `weight` to keep the full data's mix: docs/export.md shows it with a
-plain Hugging Face Trainer). The manifest beside the output (OUT.manifest.json) holds the plan's
+plain Hugging Face Trainer), and, when the analysis was made with target examples, `target_score`
+(its largest cosine similarity to one of them) and `target_group` (that example's target).
+The manifest beside the output (OUT.manifest.json) holds the plan's
 fingerprint, its settings and batch shape, and the size and kept count of every cluster.
 The batch shape matters: the plan's selection is rounded to whole global batches.
 """
@@ -42,12 +44,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ds_cluster.data.dataset import read_records
-    from ds_cluster.report.export import export_subset, manifest_path
+    from ds_cluster.report.export import export_subset, manifest_path, record_scores
 
     try:
-        plan, _ = build_plan_from_args(args)
+        plan, inputs, target = build_plan_from_args(args)
+        scores = (record_scores(inputs.features, target) if target is not None and inputs.features is not None
+                  else None)
         manifest = export_subset(plan, read_records(args.data), args.out, export_format=args.format,
-                                 excluded=args.excluded,
+                                 excluded=args.excluded, scores=scores,
                                  sources={"analysis": str(Path(args.analysis)), "deepspeed": str(args.deepspeed),
                                           "data": str(args.data)})
     except (ValueError, FileNotFoundError) as err:

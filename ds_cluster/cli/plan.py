@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from ds_cluster.report.summary import format_coverage, plan_table, layout_coverage
 
     try:
-        plan, _ = build_plan_from_args(args)
+        plan, *_ = build_plan_from_args(args)
     except (ValueError, FileNotFoundError) as err:
         return input_error("plan", err)
     coverage = layout_coverage(plan, epoch=0)

@@ -23,7 +23,9 @@ each cluster holds: its size, kept count, weight and category mix, the words of 
 apart from the other clusters (TF-IDF), and the three prompts nearest its centre, cut short. --no-text
 leaves every record's text (words and prompts) out of the page. With an adaptive run's schedule log
 (--schedule-log, or schedule.jsonl beside the analysis), the sampling shares and per-cluster loss of
-every window over the optimizer steps.
+every window over the optimizer steps. With an analysis made with target examples (docs/targeted.md),
+each cluster's affinity to the target: the target examples nearest its centre and their targets, the
+mean similarity of its records to the target, and what the plan kept of it.
 
 The records come from --data, else from where the analysis says they were read (its manifest's
 data_source, recorded by `ds-cluster analyze`, the hook's in-job analysis and the Trainers), as long as
@@ -124,22 +126,22 @@ def categories_of(records: Optional[list[dict]]) -> Optional[list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     from ds_cluster.data.dataset import prompt_text
-    from ds_cluster.report.page import write_report
+    from ds_cluster.report.page import ReportInputs, write_report
 
     analysis = Path(args.analysis)
     try:
-        plan, inputs = build_plan_from_args(args)
+        plan, inputs, target = build_plan_from_args(args)
         records, records_from = read_records_of(analysis, args.data, plan.num_samples)
         prompts = None if records is None else [prompt_text(record, i) for i, record in enumerate(records)]
         schedule_lines = read_schedule_log(analysis, args.schedule_log)
     except (ValueError, FileNotFoundError) as err:
         return input_error("report", err)
-    index = write_report(args.out, plan, features=inputs.features, categories=categories_of(records),
-                         prompts=prompts, include_text=not args.no_text, schedule_lines=schedule_lines,
-                         records_note=None if records is not None else records_from,
-                         title=f"ds_cluster report: {analysis}",
-                         sources={"analysis": str(analysis), "DeepSpeed config": str(args.deepspeed),
-                                  "records": records_from if records is not None else "none"},
-                         max_projection_points=args.max_points)
+    index = write_report(args.out, plan, ReportInputs(
+        features=inputs.features, categories=categories_of(records), prompts=prompts, include_text=not args.no_text,
+        schedule_lines=schedule_lines, records_note=None if records is not None else records_from,
+        title=f"ds_cluster report: {analysis}",
+        sources={"analysis": str(analysis), "DeepSpeed config": str(args.deepspeed),
+                 "records": records_from if records is not None else "none"},
+        max_projection_points=args.max_points, target=target))
     sys.stdout.write(f"report: {index}\n")
     return 0

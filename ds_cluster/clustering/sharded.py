@@ -10,8 +10,8 @@ rank. Each rank holds some rows (with their global indices); what crosses ranks 
   the same greedy pass on every rank; the rare points whose candidates are all full get their
   distances to every centre from the rank that holds them.
 
-The collectives are passed in (`ds_cluster.collectives.Collectives`): the module itself is pure numpy, and `LOCAL` runs the
-same algorithm in one process, which is what two ranks must reproduce.
+The collectives are passed in (`ds_cluster.collectives.Collectives`): the module itself is pure numpy, and `LOCAL`
+runs the same algorithm in one process, which is what two ranks must reproduce.
 """
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ from scipy import sparse
 
 from ds_cluster.clustering.kmeans import capped_assignment, distances_to_centres, nearest_centroids
 from ds_cluster.collectives import LOCAL, Collectives
+from ds_cluster.settings import ClusteringSettings
+
+
+# scikit-learn's convergence tolerance (relative to the data's mean variance), and the sample of each rank's rows
+# per centre that k-means++ starts from.
+TOLERANCE = 1e-4
+SAMPLE_PER_CENTRE = 256
 
 
 @dataclass(frozen=True)
@@ -40,15 +47,18 @@ class ShardedClusters:
     iterations: int
 
 
-def cluster_sharded(rows: np.ndarray, points: np.ndarray, *, num_samples: int, num_clusters: int, seed: int,
-                    collectives: Collectives = LOCAL, n_init: int = 10, max_iter: int = 300, tol: float = 1e-4,
-                    capacity_factor: Optional[float] = 1.5, capacity_neighbors: int = 8,
-                    sample_per_centre: int = 256) -> ShardedClusters:
-    """k-means over the ranks' rows together, then the capacity cap. Collective: call on every rank.
+def cluster_sharded(rows: np.ndarray, points: np.ndarray, num_samples: int, settings: ClusteringSettings,
+                    collectives: Collectives = LOCAL) -> ShardedClusters:
+    """k-means over the ranks' rows together with the clustering settings (K for the collectives' world size,
+    restarts, iterations, capacity cap, seed), then the capacity cap. Collective: call on every rank.
 
     rows: global indices (< num_samples) of this rank's `points` (float32 (n, d)); the union over the
     ranks is the set of samples to cluster (samples left out appear on no rank).
     """
+    arguments = settings.kmeans_arguments(collectives.world_size)
+    num_clusters, seed, n_init, max_iter = (arguments[key] for key in ("num_clusters", "seed", "n_init", "max_iter"))
+    capacity_factor, capacity_neighbors = arguments["capacity_factor"], arguments["capacity_neighbors"]
+    tol, sample_per_centre = TOLERANCE, SAMPLE_PER_CENTRE
     rows = np.asarray(rows, dtype=np.int64)
     points = np.asarray(points, dtype=np.float32)
     centroids = _initial_centres(rows, points, num_samples, num_clusters, seed, n_init, sample_per_centre,
@@ -60,7 +70,7 @@ def cluster_sharded(rows: np.ndarray, points: np.ndarray, *, num_samples: int, n
     dim = points.shape[1]
     variance = np.mean(moments[dim:] / total - (moments[:dim] / total) ** 2)
     iterations = 0
-    for iterations in range(1, max_iter + 1):
+    for iterations in range(1, max_iter + 1):  # noqa: B007 (the count after the loop is reported)
         labels = nearest_centroids(points, centroids, 1)[0][:, 0]
         membership = sparse.csr_matrix((np.ones(labels.size), (labels, np.arange(labels.size))),
                                        shape=(num_clusters, labels.size))

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ds_cluster.data.chat import (chat_field, chat_messages, check_chat_template, encode_chat_prompt, encode_conversation,
-                             last_assistant_turn, truncate_conversation)
+from ds_cluster.data.chat import (chat_field, chat_messages, check_chat_template, encode_chat_prompt,
+                                  encode_conversation, last_assistant_turn, truncate_conversation)
 from ds_cluster.fileio import write_jsonl_atomic
 from ds_cluster.data.special_tokens import bos_prefix, ensure_pad_token, pad_token_id_or_zero
 

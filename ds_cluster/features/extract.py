@@ -158,6 +158,13 @@ def _batch_rows(engine: Any, model: torch.nn.Module, layer: torch.nn.Module, cap
         raise RuntimeError("the output layer was not called during the forward pass; cannot read its input")
     hidden = capture.value
     forwarded = time.perf_counter()
+    if not kind.reads_logits:  # a representation of the forward itself (hidden): nothing gathered, no logits
+        counts = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1).to(hidden.device)
+        pooled = kind.pool(hidden, batch["attention_mask"])  # type: ignore[attr-defined]
+        rows = torch.where((counts > 0)[:, None], pooled, torch.zeros_like(pooled)), counts == 0
+        timings["forward"] = timings.get("forward", 0.0) + forwarded - started
+        timings["features"] = timings.get("features", 0.0) + time.perf_counter() - forwarded
+        return rows
     with _full_weight(layer) as (weight, bias):
         # The logits of the response positions in float32, whatever the engine's precision, never a float32 copy
         # of the whole matrix (output_matrix.py).
@@ -208,7 +215,8 @@ def _prepare_store(store: FeatureStore, manifest: StoreManifest, overwrite: bool
         return sorted(set(range(manifest.num_shards)) - set(store.finished_shards(manifest)))
 
     pending = ranks.run_agreed("opening the feature store", open_store) or []
-    ranks.check_agreement(pending, "feature-store shards left to compute (is the store on a filesystem every rank sees?)")
+    ranks.check_agreement(pending,
+                          "feature-store shards left to compute (is the store on a filesystem every rank sees?)")
     return pending
 
 
@@ -257,12 +265,11 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
     with adapters if adapters is not None else contextlib.nullcontext():  # the adapters' hooks, for this pass
         computed, shares = _compute_shards(model, layer, dataset, manifest, pending, batch_size, rows_of,
                                            feature_store, show_progress, on_shard_done, collectives, pad_to_longest)
-    rows = None
     if sharded:
         collectives.barrier()  # every rank has written its shards
         features, rows, empty_mask = _own_shards(manifest, feature_store, collectives)
     else:
-        features, empty_mask = _assemble(manifest, feature_store, computed, collectives)
+        (features, empty_mask), rows = _assemble(manifest, feature_store, computed, collectives), None
     if empty_mask.any():
         logger.warning("%d of %d samples have no response tokens (all labels -100): their feature rows are zero",
                        int(empty_mask.sum()), len(dataset))
@@ -271,7 +278,8 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
                             computed_shards=computed_shards,
                             reused_shards=sorted(set(range(manifest.num_shards)) - set(pending)),
                             seconds=time.perf_counter() - started, timings=timings,
-                            manifest=manifest if feature_store is not None else None, rows=rows, **work_per_rank(shares))
+                            manifest=manifest if feature_store is not None else None, rows=rows,
+                            **work_per_rank(shares))
 
 
 def _check_arguments(dataset: Sequence[dict], batch_size: int, shard_size: int, sharded: bool, store: Any) -> None:

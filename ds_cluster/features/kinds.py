@@ -11,7 +11,11 @@ import here: the config reads the registry). Kinds (docs/design.md, "Features"):
   projected to ``dim`` through its two factors (projection.py), never formed;
 - ``lora``: the exact per-sample gradient of the mean response-token loss with
   respect to every LoRA adapter matrix (the trainable parameters of a PEFT
-  model), each projected the same way and summed (adapters.py).
+  model), each projected the same way and summed (adapters.py);
+- ``hidden``: no gradient, a representation (after RDS+): the output layer's input
+  h_t mean-pooled over every attended position (prompt and response) with weights
+  rising with the position, w_i = i / sum_j j for the i-th attended token
+  (1-based); d = hidden size. Read from the forward alone: no logits, no softmax.
 
 R are the response positions (labels != -100 after the shift: position t
 predicts token t+1); `extract.batch_features` feeds them a chunk at a time.
@@ -40,6 +44,9 @@ class FeatureKind(ABC):
     projected: ClassVar[bool] = False
     # Whether the feature is the gradient of the model's LoRA adapters (adapters.py) rather than the output layer's.
     adapter_gradients: ClassVar[bool] = False
+    # Whether the feature reads the response positions' logits (the output layer's weight, gathered under ZeRO-3);
+    # a kind that does not pools the output layer's input itself (`pool`).
+    reads_logits: ClassVar[bool] = True
 
     @abstractmethod
     def resolve_dim(self, dim: Optional[int], vocab: int, hidden: int) -> int:
@@ -55,17 +62,21 @@ class FeatureKind(ABC):
         """(n, d) rows to add for n response positions: log-softmax (n, V), gold ids (n,), h_t (n, H), 1/|R| (n,)."""
 
 
-class Proxy(FeatureKind):
+class _HiddenSized(FeatureKind):
+    """A kind whose dimension is the model's hidden size."""
+
+    def resolve_dim(self, dim: Optional[int], vocab: int, hidden: int) -> int:
+        if dim is not None and dim != hidden:
+            raise ValueError(f"{self.name} features have the hidden size ({hidden}) as dimension; got dim={dim}. "
+                             "Leave dim unset, or use kind='lm_head' for a projected gradient of chosen size.")
+        return hidden
+
+
+class Proxy(_HiddenSized):
     """The paper's feature: mean over response positions of (p_t - 1) h_t; d = hidden size."""
 
     name = "proxy"
     summary = "the paper's feature"
-
-    def resolve_dim(self, dim: Optional[int], vocab: int, hidden: int) -> int:
-        if dim is not None and dim != hidden:
-            raise ValueError(f"proxy features have the hidden size ({hidden}) as dimension; got dim={dim}. "
-                             "Leave dim unset, or use kind='lm_head' for a projected gradient of chosen size.")
-        return hidden
 
     def contribution(self, log_probs: torch.Tensor, gold: torch.Tensor, hidden: torch.Tensor,
                      weights: torch.Tensor, projection: Optional[KroneckerProjection]) -> torch.Tensor:
@@ -126,7 +137,28 @@ class Lora(FeatureKind):
                         "ds_cluster.features.adapters computes it")
 
 
-_KINDS = (Proxy(), LmHead(), Lora())
+class Hidden(_HiddenSized):
+    """The last hidden layer (the output layer's input), mean-pooled with weights rising with the position over the
+    prompt and response tokens; d = hidden size. A forward pass alone: no logits, nothing gathered beyond it."""
+
+    name = "hidden"
+    summary = "the last hidden layer, position-weighted mean"
+    reads_logits = False
+
+    def contribution(self, log_probs: torch.Tensor, gold: torch.Tensor, hidden: torch.Tensor,
+                     weights: torch.Tensor, projection: Optional[KroneckerProjection]) -> torch.Tensor:
+        raise TypeError("kind 'hidden' reads no logits: its rows come from `pool`")
+
+    def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, H) float32: sum_t w_t h_t over the attended positions, w_t = i_t / sum_s i_s, i_t the 1-based place of
+        position t among them (RDS+'s position-weighted mean); an all-padding row gives 0."""
+        mask = attention_mask.to(hidden.device).float()
+        place = mask.cumsum(dim=1) * mask
+        weights = place / place.sum(dim=1, keepdim=True).clamp_min(1.0)
+        return (weights.unsqueeze(1) @ hidden.float()).squeeze(1)  # tensor methods: no torch import here
+
+
+_KINDS = (Proxy(), LmHead(), Lora(), Hidden())
 
 
 def _unknown_kind(name: str) -> str:

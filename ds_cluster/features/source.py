@@ -14,7 +14,7 @@ import gc
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 
@@ -33,6 +33,13 @@ class FeatureSource:
     engine: Any
     dataset: Any
     feature_model: Optional[str] = None  # the separate feature model's checkpoint; None: the trained model's own
+    # How other data of the training data's kind (target examples) is encoded for the engine: None, as it is.
+    encoder: Optional[Callable[[Any], Any]] = None
+
+    def encode(self, data: Any) -> Any:
+        """`data` (tokenized like the training data, with its records) as this engine reads it: re-encoded with the
+        feature model's tokenizer, exactly as the training data is, or as it is."""
+        return data if self.encoder is None else self.encoder(data)
 
 
 def forward_only_engine(model: Any, ds_config: Mapping[str, Any]) -> Any:
@@ -67,7 +74,11 @@ def feature_source(settings: FeatureSettings, training_data: Any, *, ds_config: 
         if settings.model:
             built = _checkpoint_engine(settings.model, ds_config, beside_a_job=True)
             tokenizer = load_tokenizer(settings.model)
-            yield FeatureSource(built, feature_dataset(training_data, tokenizer, settings.max_length), settings.model)
+
+            def encode(data: Any) -> Any:
+                return feature_dataset(data, tokenizer, settings.max_length)
+
+            yield FeatureSource(built, encode(training_data), settings.model, encoder=encode)
         elif engine is not None:
             yield FeatureSource(engine, training_data)
         elif model is not None:

@@ -213,7 +213,8 @@ class FeatureStore:
             finished.append(shard)
         return finished
 
-    def assemble(self, manifest: StoreManifest, shards: Optional[Iterable[int]] = None) -> tuple[np.ndarray, np.ndarray]:
+    def assemble(self, manifest: StoreManifest,
+                 shards: Optional[Iterable[int]] = None) -> tuple[np.ndarray, np.ndarray]:
         """(features N x d float32, empty_mask N bool) from all shards; ValueError if one is missing or corrupt."""
         features = np.zeros((manifest.num_samples, manifest.dim), dtype=np.float32)
         empty_mask = np.zeros(manifest.num_samples, dtype=bool)
@@ -225,4 +226,5 @@ class FeatureStore:
 
 
 def _differing_fields(a: StoreManifest, b: StoreManifest) -> list[str]:
-    return [field.name for field in dataclasses.fields(StoreManifest) if getattr(a, field.name) != getattr(b, field.name)]
+    return [field.name for field in dataclasses.fields(StoreManifest)
+            if getattr(a, field.name) != getattr(b, field.name)]

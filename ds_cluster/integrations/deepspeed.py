@@ -141,11 +141,7 @@ def _initialize(original: Callable, *args: Any, **kwargs: Any):
     engine, optimizer, _, lr_scheduler = original(**arguments)
     adapter = hook_adapter(engine, collate_fn)
     loader = cluster_setup.build_loader(adapter)
-    engine.training_dataloader = loader
-    attach_checkpoint_state(engine, loader, cluster_setup)
-    attach_loss_recording(engine, loader)
-    if getattr(getattr(engine, "monitor", None), "enabled", False):
-        attach_monitor(engine, loader, adapter.data_parallel.sum)
+    EnginePatches(engine, loader, cluster_setup, adapter.data_parallel.sum).apply()
     return engine, optimizer, loader, lr_scheduler
 
 
@@ -161,62 +157,102 @@ def hook_adapter(engine: Any, collate_fn: Any = None) -> TrainerAdapter:
                           engine=engine, collate_fn=collate_fn, probe_losses=lambda batch: probe_losses(engine, batch))
 
 
-def attach_loss_recording(engine: Any, loader: ClusterDataLoader) -> None:
-    """Make `engine.backward(loss)` hand the loader the per-sample losses `weighted_causal_lm_loss` put on the
-    loss (the adaptive schedule's figures): the training loop stays as it is."""
-    backward = engine.backward
+class EnginePatches:
+    """Everything the hook changes on the engine `deepspeed.initialize` built, in one place, so the training loop
+    stays a plain DeepSpeed loop:
 
-    @functools.wraps(backward)
-    def backward_recording(loss, *args, **kwargs):
-        record = getattr(loss, SAMPLE_LOSSES, None)
-        if record is not None:
-            loader.record_losses(*record)
-        return backward(loss, *args, **kwargs)
+    - `training_dataloader`: the cluster loader, where DeepSpeed keeps its own;
+    - `backward(loss)`: first hands the loader the per-sample losses `weighted_causal_lm_loss` put on the loss
+      (the adaptive schedule's figures, the monitors' per-cluster losses);
+    - `save_checkpoint` / `load_checkpoint`: carry the loader's state in `client_state` under `CHECKPOINT_KEY`, and
+      restore it (checked against the plan and the step) on load;
+    - `step()`, when the config turns a monitor on: writes the per-cluster figures to it at each optimizer step.
 
-    engine.backward = backward_recording
+    `remove()` puts DeepSpeed's own methods back."""
 
+    def __init__(self, engine: Any, loader: ClusterDataLoader, cluster_setup: ClusterSetup,
+                 sum_over_ranks: Callable[[Any], Any]) -> None:
+        self.engine, self.loader, self.cluster_setup = engine, loader, cluster_setup
+        self.sum_over_ranks = sum_over_ranks
+        self._originals: dict[str, Any] = {}
 
-def attach_monitor(engine: Any, loader: ClusterDataLoader, sum_over_ranks: Callable[[Any], Any]) -> None:
-    """Make `engine.step()` write the per-cluster figures to the DeepSpeed config's monitors (TensorBoard, W&B,
-    Comet, CSV) at each optimizer step, where DeepSpeed writes its own `Train/Samples/lr`, with the same step
-    (`global_samples`). Summing the figures over the data-parallel ranks is one small collective per step."""
-    step = engine.step
+    def apply(self) -> None:
+        engine = self.engine
+        patched = {"training_dataloader": self.loader, "backward": self._backward(engine.backward),
+                   "save_checkpoint": self._save(engine.save_checkpoint),
+                   "load_checkpoint": self._load(engine.load_checkpoint)}
+        if getattr(getattr(engine, "monitor", None), "enabled", False):
+            patched["step"] = self._step(engine.step)
+        for name, value in patched.items():
+            self._originals[name] = engine.__dict__.get(name, _CLASS_ATTRIBUTE)
+            setattr(engine, name, value)
 
-    @functools.wraps(step)
-    def step_with_figures(*args: Any, **kwargs: Any) -> Any:
-        boundary = engine.is_gradient_accumulation_boundary()  # before the step moves the micro-step on
-        result = step(*args, **kwargs)
-        if boundary:
-            figures = loader.figures.report(sum_over_ranks)
-            if distributed.get_rank() == 0:
-                engine.monitor.write_events(figure_events(figures, loader.current_shares(), engine.global_samples))
-        return result
-
-    engine.step = step_with_figures
-
-
-# -------------------------------------------------------------- checkpoints
-def attach_checkpoint_state(engine: Any, loader: ClusterDataLoader, cluster_setup: ClusterSetup) -> None:
-    """Make `engine.save_checkpoint`/`load_checkpoint` carry the loader's position (in `client_state`)."""
-    save_checkpoint, load_checkpoint = engine.save_checkpoint, engine.load_checkpoint
-
-    @functools.wraps(save_checkpoint)
-    def save_with_sampler(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
-        state = dict(client_state or {})
-        state[CHECKPOINT_KEY] = loader.state_dict(engine.global_steps)
-        return save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kwargs)
-
-    @functools.wraps(load_checkpoint)
-    def load_with_sampler(load_dir, tag=None, **kwargs):
-        load_path, client_state = load_checkpoint(load_dir, tag=tag, **kwargs)
-        if load_path is not None and client_state is not None:
-            sampler_state = client_state.pop(CHECKPOINT_KEY, None)
-            if sampler_state is None:
-                logger.warning("checkpoint %s holds no ds_cluster sampler state; starting the plan from epoch 0",
-                               load_path)
+    def remove(self) -> None:
+        for name, original in self._originals.items():
+            if original is _CLASS_ATTRIBUTE:
+                delattr(self.engine, name)
             else:
-                cluster_setup.restore_sampler(loader, sampler_state, engine.global_steps, where=str(load_path))
-        return load_path, client_state
+                setattr(self.engine, name, original)
+        self._originals.clear()
 
-    engine.save_checkpoint = save_with_sampler
-    engine.load_checkpoint = load_with_sampler
+    def _backward(self, backward: Callable) -> Callable:
+        loader = self.loader
+
+        @functools.wraps(backward)
+        def backward_recording(loss, *args, **kwargs):
+            record = getattr(loss, SAMPLE_LOSSES, None)
+            if record is not None:
+                loader.record_losses(*record)
+            return backward(loss, *args, **kwargs)
+
+        return backward_recording
+
+    def _step(self, step: Callable) -> Callable:
+        """Per-cluster figures to the DeepSpeed config's monitors (TensorBoard, W&B, Comet, CSV) at each optimizer step,
+        where DeepSpeed writes its own `Train/Samples/lr`, with the same step (`global_samples`). Summing the figures
+        over the data-parallel ranks is one small collective per step."""
+        engine, loader, sum_over_ranks = self.engine, self.loader, self.sum_over_ranks
+
+        @functools.wraps(step)
+        def step_with_figures(*args: Any, **kwargs: Any) -> Any:
+            boundary = engine.is_gradient_accumulation_boundary()  # before the step moves the micro-step on
+            result = step(*args, **kwargs)
+            if boundary:
+                figures = loader.figures.report(sum_over_ranks)
+                if distributed.get_rank() == 0:
+                    engine.monitor.write_events(figure_events(figures, loader.current_shares(), engine.global_samples))
+            return result
+
+        return step_with_figures
+
+    def _save(self, save_checkpoint: Callable) -> Callable:
+        engine, loader = self.engine, self.loader
+
+        @functools.wraps(save_checkpoint)
+        def save_with_sampler(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+            state = dict(client_state or {})
+            state[CHECKPOINT_KEY] = loader.state_dict(engine.global_steps)
+            return save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kwargs)
+
+        return save_with_sampler
+
+    def _load(self, load_checkpoint: Callable) -> Callable:
+        engine, loader, cluster_setup = self.engine, self.loader, self.cluster_setup
+
+        @functools.wraps(load_checkpoint)
+        def load_with_sampler(load_dir, tag=None, **kwargs):
+            load_path, client_state = load_checkpoint(load_dir, tag=tag, **kwargs)
+            if load_path is not None and client_state is not None:
+                sampler_state = client_state.pop(CHECKPOINT_KEY, None)
+                if sampler_state is None:
+                    logger.warning("checkpoint %s holds no ds_cluster sampler state; starting the plan from epoch 0",
+                                   load_path)
+                else:
+                    cluster_setup.restore_sampler(loader, sampler_state, engine.global_steps, where=str(load_path))
+            return load_path, client_state
+
+        return load_with_sampler
+
+
+# An attribute the engine had from its class, not its own: `remove` deletes the instance's copy.
+_CLASS_ATTRIBUTE = object()

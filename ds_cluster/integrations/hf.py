@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -47,7 +47,8 @@ from ds_cluster.integrations.setup import ClusterSetup, TrainerAdapter
 from ds_cluster.loader.figures import figure_logs
 from ds_cluster.loader.loss import LOSS_NORMALIZER, SAMPLE_LOSSES, probe_losses, weighted_causal_lm_loss
 from ds_cluster.planning.plan import Plan
-from ds_cluster.loader.sampler import SAMPLE_INDEX, SAMPLE_WEIGHT, ClusterDataLoader
+from ds_cluster.loader.items import SAMPLE_INDEX, SAMPLE_WEIGHT
+from ds_cluster.loader.sampler import ClusterDataLoader
 from ds_cluster.data.special_tokens import ensure_pad_token
 
 logger = logging.getLogger(__name__)
@@ -163,9 +164,13 @@ class ClusterSamplingMixin:
         """
         ds_config = _without_auto(self.args.hf_deepspeed_config.config) if self.args.deepspeed else None
         adapter = self.trainer_adapter(collate_fn, loader_dataset)
+        # Target examples are tokenized like the training data: with the trainer's tokenizer, at SFTConfig.max_length
+        # (TRL), else at the data's own max length or width.
         self.cluster_setup = ClusterSetup(self.cluster_config, self.cluster_plan_dataset(),
                                           everyone=adapter.data_parallel, ds_config=ds_config,
-                                          source=str(self.args.deepspeed) if self.args.deepspeed else "cluster_config")
+                                          source=str(self.args.deepspeed) if self.args.deepspeed else "cluster_config",
+                                          tokenizer=getattr(self, "processing_class", None),
+                                          max_length=getattr(self.args, "max_length", None))
         self.cluster_setup.check_model(self.model)
         self.cluster_loader = self.cluster_setup.build_loader(adapter, check_world_size=adapter.shape.world_size)
         self._sum_over_ranks = adapter.data_parallel.sum
@@ -279,12 +284,12 @@ class ClusterSamplingMixin:
         super()._save_checkpoint(model, trial)
         if self.cluster_loader is None:
             return
-        state = self.cluster_loader.state_dict(self.state.global_step)  # collective for the adaptive schedule
+        # The position from the optimizer step, not from what the loader has read ahead (workers prefetch);
+        # collective for the adaptive schedule.
+        state = self.cluster_loader.state_dict(self.state.global_step)
         if distributed.get_rank() != 0:
             return
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        # The position from the optimizer step, not from what the loader has read ahead (workers prefetch).
-        state["epoch"], state["position"] = self.cluster_loader.resume_point(self.state.global_step)
         write_json_atomic(folder / SAMPLER_STATE_FILE, state)
 
     def _check_sampler_state(self, checkpoint: str, plan: Plan) -> None:
@@ -307,6 +312,10 @@ class ClusterSamplingMixin:
             self.cluster_setup.restore_sampler(self.cluster_loader, found[0], found[1], where=str(state_path))
         # Trainer skips the resumed epoch's first micro-batches itself.
         self.cluster_loader.trainer_resumes()
+        # It skips them through a plain DataLoader of its own (Accelerate's skip_first_batches) whose iteration
+        # bypasses PlanDataLoader's: the resumed epoch's weights and loss normalisers are set now, before its
+        # worker processes copy the dataset (with dataloader_num_workers > 0 they would train without them).
+        self.cluster_loader.prepare_iteration()
 
 
 def check_data_parallel_is_the_world(args: Any) -> None:

@@ -24,26 +24,34 @@ collective).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
+import numpy as np
 
 from ds_cluster import distributed
-from ds_cluster.analysis.folder import AnalysisDir, PlanInputs
+from ds_cluster.analysis.folder import AnalysisDir
+from ds_cluster.clustering.samples import PlanInputs, cluster_samples
 from ds_cluster.batching import BatchShape, check_batch_arithmetic
 from ds_cluster.collectives import Collectives
 from ds_cluster.config import ClusterSamplingConfig
 from ds_cluster.data.dataset import dataset_fingerprint
-from ds_cluster.features.source import feature_source
+from ds_cluster.data.target import TargetExamples, read_target, target_encoding
+from ds_cluster.features.source import FeatureSource, feature_source
 from ds_cluster.loader.adaptive import AdaptiveSchedule
+from ds_cluster.analysis.folder import InJobAnalysis
+from ds_cluster.loader.items import batch_reader
 from ds_cluster.loader.sampler import ClusterDataLoader
 from ds_cluster.loader.schedule import Schedule, StaticSchedule
 from ds_cluster.phases import phase
+from ds_cluster.planning.budget import budget_total
 from ds_cluster.planning.plan import Plan, build_plan
+from ds_cluster.planning.targeted import check_budget_covers_targets
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +81,12 @@ class ClusterSetup:
     """
 
     def __init__(self, config: ClusterSamplingConfig, training_data: Any, *, everyone: Collectives,
-                 ds_config: Optional[Mapping] = None, source: str = "the DeepSpeed config"):
+                 ds_config: Optional[Mapping] = None, source: str = "the DeepSpeed config", tokenizer: Any = None,
+                 max_length: Optional[int] = None):
         self.config = config
+        # What target examples are tokenized with (`data.target.target_encoding`): else the training data's own.
+        self.tokenizer, self.max_length = tokenizer, max_length
+        self.target: Optional[TargetExamples] = None
         self.stages = config.stages()  # every stage's settings, derived once
         self.training_data = training_data
         self.everyone = everyone
@@ -118,10 +130,13 @@ class ClusterSetup:
                 if world_size is not None:
                     check_batch_arithmetic(self.ds_config, self.source, world_size)
             check_training_data(self.training_data)
+            self.target = self.read_target()
             return self.read_inputs() if self.analysis.exists() else None
 
         self._inputs = self.everyone.run_agreed("cluster_sampling set-up", local_checks,
                                                 errors=(ValueError, FileNotFoundError))
+        self.everyone.check_agreement(self.target.fingerprint if self.target is not None else None,
+                                      "target examples (content fingerprint)")
         # The plan depends only on the analysis, so a rank handed other data of the same length would
         # build the same plan and silently train on other samples.
         self.everyone.check_agreement((len(self.training_data), self.data_fingerprint),
@@ -154,6 +169,21 @@ class ClusterSetup:
                              "job to write one into")
         return AnalysisDir(self.config.analysis_path)
 
+    def read_target(self) -> Optional[TargetExamples]:
+        """The configured target examples (`cluster_sampling.target`), read and tokenized like the training data and
+        checked (`data.target.read_target`); None without a target."""
+        target = self.stages.selection.target
+        if target is None:
+            return None
+        tokenizer, max_length = target_encoding(self.training_data, self.tokenizer, self.max_length)
+        examples = read_target(target.data, tokenizer, max_length, group_field=target.group_field,
+                               min_examples=target.min_examples, groups=target.groups)
+        # Before any features are computed: a budget that cannot give every target a record.
+        selection = self.stages.selection
+        check_budget_covers_targets(budget_total(np.array([len(self.training_data)]), selection.planned_ratio,
+                                                 selection.budget_samples), examples)
+        return examples
+
     def read_inputs(self) -> PlanInputs:
         """The analysis's features/labels, checked against the training data (length and fingerprint)."""
         return self.analysis.load_inputs(len(self.training_data), self.data_fingerprint)
@@ -164,8 +194,8 @@ class ClusterSetup:
 
         Runs `check` first unless the trainer already did (the hook does, before
         building its engine); `check_world_size` is what that check compares the
-        batch arithmetic with. The loader's `analysis_timings` say what computing
-        the analysis in the job cost (empty when it was read).
+        batch arithmetic with. The loader's `analysis` says what computing the
+        analysis in the job cost (None when it was read).
         """
         if adapter.shape.world_size != adapter.data_parallel.world_size:
             raise ValueError(f"{adapter.name}: the batch shape has {adapter.shape.world_size} data-parallel ranks but "
@@ -173,68 +203,95 @@ class ClusterSetup:
         self.release_shared_memory()  # again: the engine may have started DeepSpeed's communication just now
         if not self._checked:
             self.check(check_world_size)
-        inputs, timings = self._inputs, {}
+        inputs, in_job = self._inputs, None
         if inputs is None:
-            inputs, timings = self.analyze_in_job(adapter)
+            inputs, in_job = self.analyze_in_job(adapter)
+        elif self.target is not None and self.analysis.target_fingerprint() != self.target.fingerprint:
+            self.retarget_in_job(adapter)  # a changed target set makes a new selection, never a stale one
         with phase("plan"):  # and the loader
             plan = self.agreed_plan(adapter.shape, inputs)
             dataset = self.training_data if adapter.loader_dataset is None else adapter.loader_dataset
             rank = adapter.data_parallel.rank
-            schedule: Schedule = (AdaptiveSchedule(plan, rank, self.stages.schedule,
-                                                   collectives=adapter.data_parallel, probe_losses=adapter.probe_losses)
-                                  if self.stages.schedule.adaptive else StaticSchedule(plan, rank))
-            loader = ClusterDataLoader(dataset, plan, rank, schedule=schedule, loss=self.stages.loss,
-                                       collectives=adapter.data_parallel, collate_fn=adapter.collate_fn)
-        loader.analysis_timings = timings
-        return loader
+            schedule: Schedule = StaticSchedule(plan, rank)
+            if self.stages.schedule.adaptive:
+                probe = None
+                if adapter.probe_losses is not None:
+                    read, losses_of = batch_reader(dataset, adapter.collate_fn), adapter.probe_losses
+                    probe = lambda indices: losses_of(read(indices))  # noqa: E731
+                schedule = AdaptiveSchedule(plan, rank, self.stages.schedule, collectives=adapter.data_parallel,
+                                            probe_losses=probe)
+            return ClusterDataLoader(dataset, plan, rank, schedule=schedule, loss=self.stages.loss,
+                                     collectives=adapter.data_parallel, collate_fn=adapter.collate_fn, analysis=in_job)
 
-    def analyze_in_job(self, adapter: TrainerAdapter) -> tuple[PlanInputs, dict[str, float]]:
+    def analyze_in_job(self, adapter: TrainerAdapter) -> tuple[PlanInputs, InJobAnalysis]:
         """Collective: selection in the training job itself, features by the job's engine, k-means, the folder.
 
         With `config.feature_model` the features come from that checkpoint instead,
         in its own forward-only engine under the job's ZeRO stage, on the samples
         re-encoded with its tokenizer. Feature extraction is shared over every rank;
         the feature store inside the folder makes a crashed job's rerun resume it.
-        Returns the plan inputs and the timings (seconds).
+        Returns the plan inputs and what the analysis cost.
         """
-        from ds_cluster.analysis.compute import analyze
+        from ds_cluster.analysis.compute import AnalysedData, AnalysisOptions, analyze
 
         started, cpu_started = time.perf_counter(), time.process_time()
-        features = self.stages.features
-        provenance = {"computed_by": adapter.name, "feature_model": features.model}
-        engine, built = adapter.engine, False
-        if callable(engine) and not hasattr(engine, "forward"):  # 0.5.0's adapters gave a function that builds one
-            warnings.warn("TrainerAdapter(engine=<a function building an engine>) is TrainerAdapter(model=...) "
-                          "since 0.6.0", DeprecationWarning, stacklevel=2)
-            engine, built = engine(), True
-        try:
-            # The job's engine (the hook), else a forward-only one of the model (a Trainer), else a feature model.
-            with feature_source(features, self.training_data, ds_config=self.ds_config,
-                                engine=engine, model=adapter.model) as source:
-                summary = analyze(source.engine, source.dataset, self.config.analysis_path, self.stages,
-                                  batch_size=adapter.shape.micro_batch_size, show_progress=self.everyone.rank == 0,
-                                  provenance=provenance, collectives=self.everyone, analysis_of=self.training_data,
-                                  analysis_of_fingerprint=self.data_fingerprint)
-        finally:
-            if built and hasattr(engine, "destroy"):
-                engine.destroy()
+        provenance = {"computed_by": adapter.name, "feature_model": self.stages.features.model}
+        with self._feature_source(adapter) as source:
+            target = self.target.encoded_with(source.encode) if self.target is not None else None
+            options = AnalysisOptions(batch_size=adapter.shape.micro_batch_size,
+                                      show_progress=self.everyone.rank == 0, provenance=provenance,
+                                      of_data=AnalysedData(self.training_data, self.data_fingerprint), target=target)
+            result = analyze(source.engine, source.dataset, self.config.analysis_path, self.stages, options,
+                             self.everyone)
         inputs = self.everyone.run_agreed("reading the analysis just computed", self.read_inputs,
                                           errors=(ValueError, FileNotFoundError))
         assert inputs is not None
-        timings = {name: float(value) for name, value in summary.get("timings_s", {}).items()}
-        timings.update(wall=time.perf_counter() - started, cpu=time.process_time() - cpu_started)
+        in_job = InJobAnalysis(result.timings, wall=time.perf_counter() - started,
+                               cpu=time.process_time() - cpu_started)
         logger.info("ds_cluster: analysis computed in the training job in %.1f s (extraction %.1f s, clustering "
-                    "%.1f s): %s", timings["wall"], timings.get("extract", 0.0), timings.get("cluster", 0.0),
+                    "%.1f s): %s", in_job.wall, in_job.timings.extract, in_job.timings.cluster,
                     self.config.analysis_path)
-        return inputs, timings
+        return inputs, in_job
+
+    @contextlib.contextmanager
+    def _feature_source(self, adapter: TrainerAdapter) -> Iterator[FeatureSource]:
+        """Collective: the job's engine (the hook), else a forward-only one of the model (a Trainer), else the
+        feature model's, with the data it reads (`features.source.feature_source`)."""
+        engine, built = adapter.engine, False
+        if callable(engine) and not hasattr(engine, "forward"):  # 0.5.0's adapters gave a function that builds one
+            warnings.warn("TrainerAdapter(engine=<a function building an engine>) is TrainerAdapter(model=...) "
+                          "since 0.6.0", DeprecationWarning, stacklevel=3)
+            engine, built = engine(), True
+        try:
+            with feature_source(self.stages.features, self.training_data, ds_config=self.ds_config,
+                                engine=engine, model=adapter.model) as source:
+                yield source
+        finally:
+            if built and hasattr(engine, "destroy"):
+                engine.destroy()
+
+    def retarget_in_job(self, adapter: TrainerAdapter) -> None:
+        """Collective: the analysis was made with another target set (or none): the configured target's features,
+        with the analysis's own feature settings and the job's model, written into it; its records' features and
+        clusters are kept (`analysis.target.retarget`, which refuses an analysis of another model)."""
+        from ds_cluster.analysis.target import retarget
+
+        assert self.target is not None
+        with self._feature_source(adapter) as source:
+            retarget(source.engine, self.analysis, self.target.encoded_with(source.encode), self.everyone,
+                     adapter.shape.micro_batch_size)
 
     def agreed_plan(self, shape: BatchShape, inputs: Optional[PlanInputs] = None) -> Plan:
-        """Collective: the plan for this batch shape, the same on every rank, or an error on every rank."""
+        """Collective: the plan for this batch shape, the same on every rank, or an error on every rank. A targeted
+        selection reads the analysis's target, which must be the configured one."""
         def build() -> Plan:
             given = inputs if inputs is not None else self.read_inputs()
-            return build_plan(config=self.stages, world_size=shape.world_size, micro_batch_size=shape.micro_batch_size,
-                              gradient_accumulation_steps=shape.gradient_accumulation_steps,
-                              **given.plan_arguments())
+            target = None
+            if self.target is not None:
+                target = self.analysis.load_target()
+                check_target_is_current(self.analysis, target, self.target.fingerprint)
+            return build_plan(cluster_samples(given, self.stages.clustering, shape.world_size), self.stages, shape,
+                              target=target)
 
         plan = self.everyone.run_agreed("building the cluster plan", build, errors=(ValueError, FileNotFoundError))
         assert plan is not None
@@ -298,6 +355,15 @@ def _ordered(value: Any) -> Any:
     """JSON for what json cannot write: a set in sorted order (peft keeps target_modules as a set, whose order
     follows each process's string hashing), anything else as its text."""
     return sorted(map(str, value)) if isinstance(value, (set, frozenset)) else str(value)
+
+
+def check_target_is_current(analysis: AnalysisDir, target: Any, fingerprint: str) -> None:
+    """The analysis's target is the configured one (`fingerprint`), or a ValueError: never a stale selection."""
+    if target is None or target.fingerprint != fingerprint:
+        held = "no target" if target is None else f"the target set {target.fingerprint}"
+        raise ValueError(f"{analysis.path} holds {held}, not the configured cluster_sampling.target ({fingerprint}): "
+                         "compute its target features again (`ds-cluster analyze --target`, or let the training "
+                         "job do it)")
 
 
 def check_training_data(training_data: Any) -> None:

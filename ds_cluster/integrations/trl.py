@@ -35,7 +35,6 @@ from typing import Any, Mapping, Optional, Union
 
 import datasets
 import torch
-from torch.utils.data import Dataset
 
 try:
     from trl import SFTTrainer
@@ -45,62 +44,16 @@ except ImportError as err:  # an extra: a training job through the hook or Clust
 
 from ds_cluster import distributed
 from ds_cluster.config import ClusterSamplingConfig
-from ds_cluster.data.dataset import IGNORE_INDEX, TASK_GROUP_FIELDS, source_path, task_group
+from ds_cluster.data.dataset import IGNORE_INDEX, source_path
 from ds_cluster.integrations.hf import ClusterSamplingMixin, resolve_cluster_config
-from ds_cluster.loader.sampler import SAMPLE_WEIGHT
+# PaddedRowsView and ROW_COLUMNS lived here until 0.6.0; they are shared with the frontends' integrations now.
+from ds_cluster.integrations.rows import ROW_COLUMNS, PaddedRowsView, RowsPlanMixin, missing_row_columns  # noqa: F401
+from ds_cluster.loader.items import SAMPLE_WEIGHT
 
 logger = logging.getLogger(__name__)
 
 # Positions whose vocabulary distribution is formed at once for the entropy metric (bounds its extra memory).
 METRIC_CHUNK_POSITIONS = 1024
-# The columns of SFTTrainer's prepared rows the plan reads.
-ROW_COLUMNS = ("input_ids", "labels")
-
-
-class PaddedRowsView(Dataset):
-    """SFTTrainer's prepared rows as same-width items: what the plan's checks and an analysis computed in the job read.
-
-    The rows hold variable-length `input_ids` and `labels`; feature extraction
-    stacks whole items, so each row is padded on the right to the longest row
-    (attention mask 0 and label -100 there: under causal attention no real
-    position sees the padding). The labels are the rows' own, so the features
-    and the "token" reduction's counts are about the tokens the loss trains on.
-    Same length and order as the rows: index i is row i.
-    """
-
-    def __init__(self, rows: datasets.Dataset, pad_token_id: int, source: Optional[str] = None):
-        self.rows = rows
-        self.pad_token_id = int(pad_token_id)
-        # Where the records these rows were prepared from can be read again (the user's dataset's file), if known.
-        self.source = source
-        # At least 2 columns: the loss and the features shift labels by one.
-        self.width = max([len(ids) for ids in rows["input_ids"]] + [2])
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        row = self.rows[int(index)]
-        length = len(row["input_ids"])
-        input_ids = torch.full((self.width,), self.pad_token_id, dtype=torch.int64)
-        attention_mask = torch.zeros(self.width, dtype=torch.int64)
-        labels = torch.full((self.width,), IGNORE_INDEX, dtype=torch.int64)
-        input_ids[:length] = torch.tensor(row["input_ids"], dtype=torch.int64)
-        attention_mask[:length] = 1
-        labels[:length] = torch.tensor(row["labels"], dtype=torch.int64)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-
-    @property
-    def categories(self) -> Optional[list[str]]:
-        """Every row's task group (`task_group`: its `category`, else `family`), for the analysis summary's cluster
-        purity; None when the rows have neither column."""
-        columns = {column: self.rows[column] for column in TASK_GROUP_FIELDS if column in self.rows.column_names}
-        if not columns:
-            return None
-        return [task_group({column: values[index] for column, values in columns.items()})
-                for index in range(len(self.rows))]
-
-
 def check_sft_options(args: Any, train_dataset: Any, compute_loss_func: Any) -> None:
     """Before SFTTrainer tokenizes anything: a ValueError naming any option cluster sampling cannot follow.
 
@@ -133,7 +86,7 @@ def check_sft_options(args: Any, train_dataset: Any, compute_loss_func: Any) -> 
                          "cluster_sampling)")
 
 
-class ClusterSFTTrainer(ClusterSamplingMixin, SFTTrainer):
+class ClusterSFTTrainer(RowsPlanMixin, ClusterSamplingMixin, SFTTrainer):
     """A `trl.SFTTrainer` whose training batches and loss come from the cluster plan.
 
     Takes SFTTrainer's arguments, plus `cluster_config` (a ClusterSamplingConfig
@@ -149,7 +102,6 @@ class ClusterSFTTrainer(ClusterSamplingMixin, SFTTrainer):
         config = resolve_cluster_config(cluster_config, getattr(given.get("args"), "deepspeed", None))
         if config.enabled:
             check_sft_options(given.get("args"), given.get("train_dataset"), given.get("compute_loss_func"))
-        self._padded_rows: Optional[PaddedRowsView] = None
         # The user's records before SFTTrainer tokenizes them: what a report of the analysis reads.
         self._records_path = source_path(given.get("train_dataset")) if config.enabled else None
         super().__init__(*args, cluster_config=config, **kwargs)
@@ -159,8 +111,7 @@ class ClusterSFTTrainer(ClusterSamplingMixin, SFTTrainer):
     def _check_prepared_rows(self) -> None:
         """After SFTTrainer's preparation: token rows with labels, and a loss this trainer can weight."""
         columns = getattr(self.train_dataset, "column_names", None) or []
-        missing = [column for column in ROW_COLUMNS if column not in columns]
-        if missing:
+        if missing_row_columns(self.train_dataset):
             raise ValueError(
                 f"cluster_sampling needs SFTTrainer's tokenized rows (columns {list(ROW_COLUMNS)}), but the prepared "
                 f"train_dataset has columns {columns}: vision datasets (tokenized in the collator) are not "
@@ -171,16 +122,9 @@ class ClusterSFTTrainer(ClusterSamplingMixin, SFTTrainer):
                              "SFTConfig.router_aux_loss_coef=0.0 to train without it (or disable cluster_sampling)")
 
     # ------------------------------------------------------------------ plan
-    def cluster_plan_dataset(self) -> PaddedRowsView:
-        """The prepared rows padded to one width (`PaddedRowsView`): what the plan and a computed analysis read."""
-        if self._padded_rows is None or self._padded_rows.rows is not self.train_dataset:
-            # The collator's pad id; any id would do (masked out), this one keeps the rows as the model sees them.
-            pad_token_id = getattr(self.data_collator, "pad_token_id", None)
-            self._padded_rows = PaddedRowsView(self.train_dataset, 0 if pad_token_id is None else pad_token_id,
-                                               source=self._records_path)
-            logger.info("ds_cluster: the plan reads SFTTrainer's %d rows, padded to %d tokens for the checks and "
-                        "the features", len(self._padded_rows), self._padded_rows.width)
-        return self._padded_rows
+    def rows_source(self) -> Optional[str]:
+        """The user's records file before SFTTrainer tokenized them (one row per record, in order)."""
+        return self._records_path
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,

@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from ds_cluster.collectives import LOCAL, Collectives
-from ds_cluster.loader.schedule import Block, Schedule
+from ds_cluster.loader.schedule import Block, RunEnd, Schedule
 from ds_cluster.planning.allocation import Stratified, batch_quotas
 from ds_cluster.planning.plan import Plan
-from ds_cluster.planning.auto import AutoRule, AutoState, auto_step
+from ds_cluster.planning.auto import AutoState, auto_step
 from ds_cluster.planning.shares import ADAPTIVE_RULES, AdaptiveRule, WindowFigures, window_draws
 from ds_cluster.planning.tally import ClusterTally
 from ds_cluster.planning.weights import WEIGHTINGS
@@ -42,51 +42,46 @@ from ds_cluster.settings import ScheduleSettings
 
 logger = logging.getLogger(__name__)
 
-# probe_losses(batch) -> each sample's mean response-token loss (float tensor), forward only.
-ProbeLosses = Callable[[Any], torch.Tensor]
+# probe(sample indices) -> each sample's mean response-token loss (float tensor) under the model being trained,
+# forward only.
+ProbeLosses = Callable[[Sequence[int]], torch.Tensor]
 
 
 @dataclass
 class WindowState:
-    """What a window is drawn from: the shares, the rule's state, each cluster's stream (pass, position) before
-    the draw, and the auto budget's per-cluster stop, best loss and windows without improvement, and its
-    cool-down ({"start", "end"} in optimizer steps) once announced. Plain JSON in checkpoints."""
+    """What a window is drawn from: the shares, the rule's state, each cluster's stream (pass, position) before the
+    draw, the auto budget's bookkeeping (`planning.auto.AutoState`: per cluster its stop, best loss, windows
+    without improvement, history and stop record), and its cool-down ({"start", "end"} in optimizer steps) once
+    announced. Plain JSON in checkpoints."""
 
     shares: list
     rule_state: dict
     streams: list
-    stopped: list
-    best: list
-    stale: list
+    auto: AutoState
     cooldown: Optional[dict] = None
-    # The auto budget's per-cluster history of (step, loss), first loss and stop record (planning.auto.AutoState);
-    # None in a state saved before 0.6.0.
-    history: Optional[list] = None
-    first_losses: Optional[list] = None
-    stops: Optional[list] = None
 
     @classmethod
     def first(cls, shares: np.ndarray, rule: AdaptiveRule) -> "WindowState":
         num_clusters = shares.size
         return cls(shares.tolist(), rule.initial_state(num_clusters), [[0, 0] for _ in range(num_clusters)],
-                   [False] * num_clusters, [None] * num_clusters, [0] * num_clusters)
+                   AutoState.empty(num_clusters))
 
     @classmethod
     def from_json(cls, data: dict) -> "WindowState":
-        return cls(**{key: data.get(key) for key in ("shares", "rule_state", "streams", "stopped", "best", "stale",
-                                                     "cooldown", "history", "first_losses", "stops")})
+        """A state as `to_json` wrote it, or as 0.6.0 did (the auto budget's lists beside the shares; its history,
+        first losses and stop records absent before 0.6.0)."""
+        if "auto" in data:
+            auto = AutoState(**data["auto"])
+        else:
+            empty = AutoState.empty(len(data["stopped"]))
+            auto = AutoState(list(data["best"]), list(data["stale"]), list(data["stopped"]),
+                             data.get("history") or empty.history, data.get("first_losses") or empty.first,
+                             data.get("stops") or empty.stops)
+        return cls(data["shares"], data["rule_state"], data["streams"], auto, data.get("cooldown"))
 
     def to_json(self) -> dict:
-        return {key: value for key, value in asdict(self).items()
-                if value is not None or key not in ("history", "first_losses", "stops")}
-
-    def auto_state(self) -> AutoState:
-        """The auto budget's bookkeeping of this state."""
-        empty = AutoState.empty(len(self.stopped))
-        return AutoState(list(self.best), list(self.stale), list(self.stopped),
-                         self.history if self.history is not None else empty.history,
-                         self.first_losses if self.first_losses is not None else empty.first,
-                         self.stops if self.stops is not None else empty.stops)
+        return {"shares": self.shares, "rule_state": self.rule_state, "streams": self.streams,
+                "auto": asdict(self.auto), "cooldown": self.cooldown}
 
 
 @dataclass(frozen=True)
@@ -100,8 +95,9 @@ class _Draw:
 
 class AdaptiveSchedule(Schedule):
     """Windows whose shares follow the clusters' losses. `collectives`: this rank among the data-parallel ranks;
-    `probe_losses`: what computes the probe set's per-sample losses with the model being trained (forward only,
-    called on every rank at the same point), or None for no probe."""
+    `probe_losses`: the per-sample losses of given samples with the model being trained (forward only, called on
+    every rank at the same point; `integrations.setup` builds it from the trainer's model and the loader's data),
+    or None for no probe."""
 
     kind = "adaptive"
     opens_ahead = False
@@ -116,56 +112,47 @@ class AdaptiveSchedule(Schedule):
         self.collectives = collectives
         self.probe_losses = probe_losses
         self.rule = ADAPTIVE_RULES.get_rule(settings.rule)
-        self.auto_rule = AutoRule(signal=settings.signal, tolerance=settings.tolerance, patience=settings.patience,
-                                  fit_windows=settings.fit_windows, remaining=settings.remaining,
-                                  floor=settings.floor, window_steps=settings.adapt_every)
         self.shape = plan.batch_shape
         self.natural = plan.cluster_sizes / plan.cluster_sizes.sum()
         self.probe, self.pools = _probe_and_pools(plan, settings)
         self.state = WindowState.first(_active_shares(self.natural, self._has_pool()), self.rule)
         self.window = -1  # the window drawn last (or restored from a checkpoint); -1 before the first
+        self.finished = False  # the auto budget has ended the run
         self._drawn: Optional[_Draw] = None
         self._mark: Optional[np.ndarray] = None  # the tally at the window's start
         self._carried = np.zeros(2 * plan.num_clusters, dtype=np.int64)  # every rank's, from before a checkpoint
         self._log_ready = False  # a fresh run starts the log anew; a resumed one keeps its windows before
-        self._read_batch: Optional[Callable[[Sequence[int]], Any]] = None
 
     @property
     def micro_batches_per_window(self) -> int:
         return self.settings.adapt_every * self.shape.gradient_accumulation_steps
 
-    def bind(self, read_batch: Callable[[Sequence[int]], Any]) -> None:
-        """How the loader collates samples into a batch (the probe set's forwards read it)."""
-        self._read_batch = read_batch
-
-    def locate(self, epoch: int, position: int, run_micro: int) -> tuple[int, int]:
-        return divmod(run_micro, self.micro_batches_per_window)
+    def locate(self, micro_batch: int) -> tuple[int, int]:
+        return divmod(micro_batch, self.micro_batches_per_window)
 
     def trainable(self) -> np.ndarray:
         return np.sort(np.concatenate(self.pools)) if self.pools else np.zeros(0, dtype=np.int64)
 
-    def shares(self) -> Optional[list[float]]:
-        return [float(share) for share in self.state.shares]
-
-    def cooldown_steps(self) -> Optional[tuple[int, int]]:
-        cooldown = self.state.cooldown
-        return None if cooldown is None else (int(cooldown["start"]), int(cooldown["end"]))
-
-    @property
-    def cooldown_fraction(self) -> Optional[float]:
-        return self.settings.cooldown if self.settings.auto and self.settings.cooldown > 0 else None
-
-    def consumed(self) -> np.ndarray:
-        """Distinct samples of each cluster drawn so far (a pool is used up before any sample repeats)."""
-        streams = self._drawn.streams_after if self._drawn is not None else self.state.streams
+    def _consumed(self, streams: list) -> np.ndarray:
+        """Distinct samples of each cluster drawn up to `streams` (a pool is used up before any sample repeats)."""
         sizes = np.array([pool.size for pool in self.pools])
         drawn = np.array([passes * size + position for (passes, position), size in zip(streams, sizes)])
         return np.minimum(drawn, sizes).astype(np.int64)
+
+    def _run_end(self) -> Optional[RunEnd]:
+        """The auto budget's cool-down (when it has one): its fraction of the steps, and its steps once announced."""
+        if not (self.settings.auto and self.settings.cooldown > 0):
+            return None
+        cooldown = self.state.cooldown
+        return RunEnd(self.settings.cooldown, None if cooldown is None else (int(cooldown["start"]),
+                                                                             int(cooldown["end"])))
 
     # ------------------------------------------------------------ windows
     def open(self, index: int, tally: ClusterTally) -> Optional[Block]:
         """Collective: close the window before (its figures, the rule, auto stopping, the log line), then draw
         window `index`; None once the run has ended."""
+        if self.finished:
+            return None
         self._start_log()
         if self._mark is None:
             self._mark = tally.snapshot()
@@ -184,7 +171,9 @@ class AdaptiveSchedule(Schedule):
         weights = np.zeros(self.plan.num_samples, dtype=np.float32)
         for cluster, taken in enumerate(self._drawn.members):
             weights[taken] = per_cluster[cluster]
-        return Block(index, layout.reshape(-1, self.plan.micro_batch_size), weights)
+        return Block(index, layout.reshape(-1, self.plan.micro_batch_size), weights,
+                     self._consumed(self._drawn.streams_after), tuple(float(share) for share in self.state.shares),
+                     self._run_end())
 
     def _has_pool(self) -> np.ndarray:
         return np.array([pool.size > 0 for pool in self.pools])
@@ -221,7 +210,7 @@ class AdaptiveSchedule(Schedule):
 
     def _probe_figures(self) -> Optional[np.ndarray]:
         """Collective: the probe set's per-cluster tally (fixed point sums, counts), every rank a share of it."""
-        if self.probe.size == 0 or self.probe_losses is None or self._read_batch is None:
+        if self.probe.size == 0 or self.probe_losses is None:
             return None
         world, micro = self.collectives.world_size, self.plan.micro_batch_size
         mine = self.probe[self.collectives.rank::world]
@@ -231,18 +220,18 @@ class AdaptiveSchedule(Schedule):
             chunk = mine[start:start + micro]
             real = chunk.size
             chunk = np.concatenate([chunk, np.full(min(micro, per_rank - start) - real, self.probe[0])]).astype(int)
-            losses = self.probe_losses(self._read_batch(chunk.tolist()))
+            losses = self.probe_losses(chunk.tolist())
             probe_tally.add(chunk[:real], np.asarray(losses.detach().float().cpu(), dtype=np.float64)[:real])
         return np.asarray(self.collectives.sum(probe_tally.totals), dtype=np.int64)
 
     def _next_state(self, figures: WindowFigures) -> WindowState:
         """The next window's state: the rule's shares over the clusters still drawn; one log line (rank 0)."""
         state = self.state
-        auto, predicted = state.auto_state(), None
+        auto, predicted = state.auto, None
         cooldown = state.cooldown
         steps_done = (self.window + 1) * self.settings.adapt_every
         if self.settings.auto and cooldown is None:
-            auto, predicted = auto_step(auto, figures.tracked_loss, steps_done, self.auto_rule)
+            auto, predicted = auto_step(auto, figures.tracked_loss, steps_done, self.settings)
         stopped = np.asarray(auto.stopped, dtype=bool)
         active = self._has_pool() & ~stopped
         shares, rule_state = np.asarray(state.shares, dtype=np.float64), state.rule_state
@@ -265,8 +254,7 @@ class AdaptiveSchedule(Schedule):
         self.collectives.check_agreement((self.window, digest), f"adaptive schedule's shares after window "
                                                                 f"{self.window}")
         assert self._drawn is not None
-        following = WindowState(shares.tolist(), rule_state, self._drawn.streams_after, stopped.tolist(), auto.best,
-                                auto.stale, cooldown, auto.history, auto.first, auto.stops)
+        following = WindowState(shares.tolist(), rule_state, self._drawn.streams_after, auto, cooldown)
         self._log(figures, following, predicted)
         return following
 
@@ -274,16 +262,17 @@ class AdaptiveSchedule(Schedule):
         if self.collectives.rank != 0 or not self.settings.log_path:
             return
         probe = figures.probe_loss
-        consumed = self.consumed()
+        assert self._drawn is not None
+        consumed = self._consumed(self._drawn.streams_after)
         line = {"window": self.window, "step": (self.window + 1) * self.settings.adapt_every,
                 "train_loss": _plain(figures.train_loss), "probe_loss": None if probe is None else _plain(probe),
                 "shares": following.shares, "samples_consumed": consumed.tolist(),
                 "kept_fraction": float(consumed.sum() / self.plan.num_samples),
-                "stopped": np.flatnonzero(following.stopped).tolist(), "finished": self.finished}
+                "stopped": np.flatnonzero(following.auto.stopped).tolist(), "finished": self.finished}
         if following.cooldown is not None:
             line["cooldown"] = [following.cooldown["start"], following.cooldown["end"]]
         if self.settings.auto:  # why each stopped cluster stopped, and what the signal predicted this window
-            line["stops"] = following.stops
+            line["stops"] = following.auto.stops
             line["predicted_gain"] = predicted
         with open(self.settings.log_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(line) + "\n")
@@ -293,13 +282,11 @@ class AdaptiveSchedule(Schedule):
         """Collective (the figures of the window so far are summed over the ranks): call on every rank."""
         since = tally.since(self._mark) if self._mark is not None else np.zeros_like(self._carried)
         carried = np.asarray(self.collectives.sum(since), dtype=np.int64) + self._carried
-        return {"window": self.window, "origin": self.state.to_json(), "carried": carried.tolist(),
-                "finished": self.finished}
+        return {**super().state_dict(tally), "window": self.window, "origin": self.state.to_json(),
+                "carried": carried.tolist(), "finished": self.finished}
 
-    def load_state_dict(self, state: Optional[dict[str, Any]], tally: ClusterTally) -> None:
-        if state is None:
-            raise ValueError("the checkpoint's sampler state is a static schedule's, and this run's schedule is "
-                             "adaptive: resume with the same cluster_sampling block")
+    def load_state_dict(self, state: dict[str, Any], tally: ClusterTally) -> None:
+        super().load_state_dict(state, tally)
         self.window = int(state["window"])
         self.state = WindowState.from_json(state["origin"])
         self.finished = bool(state["finished"])
@@ -379,11 +366,16 @@ class AdaptiveSettings:
 
 def AdaptiveDataLoader(dataset: Any, plan: Plan, rank: int, settings: Any, *,  # noqa: N802 (0.5.0's class name)
                        collectives: Collectives = LOCAL, collate_fn: Any = None,
-                       probe_losses: Optional[ProbeLosses] = None) -> Any:
+                       probe_losses: Optional[Callable[[Any], torch.Tensor]] = None) -> Any:
     """0.5.0's adaptive loader: now `ClusterDataLoader` with an `AdaptiveSchedule` (docs/changes.md)."""
+    from ds_cluster.loader.items import batch_reader
     from ds_cluster.loader.sampler import ClusterDataLoader
 
     warnings.warn("AdaptiveDataLoader is ClusterDataLoader(dataset, plan, rank, schedule=AdaptiveSchedule(...)) "
                   "since 0.6.0", DeprecationWarning, stacklevel=2)
-    schedule = AdaptiveSchedule(plan, rank, settings, collectives=collectives, probe_losses=probe_losses)
+    probe = None
+    if probe_losses is not None:  # 0.5.0's probe scored a batch; the schedule's scores given samples
+        read, losses_of = batch_reader(dataset, collate_fn), probe_losses
+        probe = lambda indices: losses_of(read(indices))  # noqa: E731
+    schedule = AdaptiveSchedule(plan, rank, settings, collectives=collectives, probe_losses=probe)
     return ClusterDataLoader(dataset, plan, rank, schedule=schedule, collate_fn=collate_fn, collectives=collectives)

@@ -68,5 +68,6 @@ def figure_events(figures: dict[str, list], shares: Optional[Sequence[float]], s
 
 
 def figure_logs(figures: dict[str, list], shares: Optional[Sequence[float]]) -> dict[str, Any]:
-    """The same figures as a Trainer `log` dict: `cluster_<c>/train_loss`, `cluster_<c>/samples`, `cluster_<c>/share`."""
+    """The same figures as a Trainer `log` dict: `cluster_<c>/train_loss`, `cluster_<c>/samples`,
+    `cluster_<c>/share`."""
     return dict(_named_figures(figures, shares))

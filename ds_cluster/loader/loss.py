@@ -86,6 +86,14 @@ def weighted_causal_lm_loss(outputs: Any, batch: Mapping[str, torch.Tensor]) -> 
     return loss
 
 
+def causal_lm_loss(outputs: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The plain loss of a micro-batch without ds_cluster's fields (DeepSpeed's own loader, the block disabled):
+    the mean next-token cross-entropy over all its response tokens, as a Hugging Face causal LM computes it."""
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs[0]
+    sums, counts = token_loss_sums(logits, batch["labels"])
+    return sums.sum() / counts.sum().clamp(min=1)
+
+
 def probe_losses(model: Any, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Each sample's mean response-token loss under `model` (a module or a DeepSpeed engine), forward only, in
     eval mode; the model's mode is restored. What the adaptive schedule's probe set is scored with."""

@@ -5,6 +5,10 @@ import math
 import warnings
 from typing import Any, Callable, Optional
 
+import torch
+
+from ds_cluster.loader.sampler import cluster_loader
+
 
 def warmup_cosine(total_steps: Callable[[], int], warmup_fraction: float) -> Callable[[int], float]:
     """A LambdaLR factor: linear warm-up over ``warmup_fraction`` of the steps, then cosine to 0 at the last step.
@@ -50,9 +54,11 @@ def warmup_stable_decay(total_steps: Callable[[], int], warmup_fraction: float, 
 def run_lr_schedule(total_steps: Callable[[], int], warmup_fraction: float,
                     loader: Callable[[], Any]) -> Callable[[int], float]:
     """The LambdaLR factor of a run: `warmup_cosine` to the run's last step or, when the loader's schedule may end
-    the run itself with a cool-down (the auto budget with `auto_cooldown` > 0: `ClusterDataLoader.cooldown_fraction`),
-    `warmup_stable_decay` over the cool-down it announces. `loader()`: the loader, None until deepspeed.initialize
-    has built it (the factor of step 0, which LambdaLR reads then, is the warm-up's either way)."""
+    the run itself with a cool-down (the auto budget with `auto_cooldown` > 0: `ClusterDataLoader.run_end`),
+    `warmup_stable_decay` over the cool-down it announces. `loader()`: ds_cluster's loader, None until
+    deepspeed.initialize has built it or when the run has none (the factor of step 0, which LambdaLR reads then, is
+    the warm-up's either way); the choice is made at the first step after it exists, when its first block is
+    open."""
     cosine = warmup_cosine(total_steps, warmup_fraction)
     chosen: dict[str, Callable[[int], float]] = {}
 
@@ -61,12 +67,38 @@ def run_lr_schedule(total_steps: Callable[[], int], warmup_fraction: float,
         if built is None:
             return cosine(step)
         if "factor" not in chosen:
-            cooldown = built.cooldown_fraction
+            run_end = built.run_end()
             # The auto budget decides its end while training: constant LR until then, linear to 0 over its cool-down.
-            chosen["factor"] = cosine if not cooldown else warmup_stable_decay(
-                total_steps, warmup_fraction, cooldown / (1 + cooldown), lambda: built.cooldown_steps())
+            chosen["factor"] = cosine if run_end is None else warmup_stable_decay(
+                total_steps, warmup_fraction, run_end.fraction / (1 + run_end.fraction),
+                lambda: getattr(built.run_end(), "steps", None))
         return chosen["factor"](step)
     return factor
+
+
+class LateLRSchedule:
+    """The learning-rate schedule of a training script whose run length and loader exist only once
+    `deepspeed.initialize` has returned: give `scheduler` to initialize as its `lr_scheduler`, then call `start`
+    with what initialize returned. The factor is `run_lr_schedule`'s.
+
+        lr = LateLRSchedule(warmup_fraction=0.05)
+        engine, _, loader, _ = deepspeed.initialize(..., lr_scheduler=lr.scheduler)
+        lr.start(loader, total_steps=epochs * steps_per_epoch)
+    """
+
+    def __init__(self, warmup_fraction: float) -> None:
+        self.total_steps = 0
+        self.loader: Any = None
+        self.factor = run_lr_schedule(lambda: self.total_steps, warmup_fraction, lambda: self.loader)
+
+    def scheduler(self, optimizer: Any) -> Any:
+        """What deepspeed.initialize's `lr_scheduler` takes: a LambdaLR over the late-bound factor."""
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, self.factor)
+
+    def start(self, loader: Any, total_steps: int) -> None:
+        """The run's loader (ds_cluster's, or DeepSpeed's own: then plain warm-up and cosine) and its length."""
+        self.loader = cluster_loader(loader)
+        self.total_steps = int(total_steps)
 
 
 def run_schedule(cluster_sampling: Any, total_steps: Callable[[], int], warmup_fraction: float,

@@ -12,95 +12,28 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset
 
+from ds_cluster.analysis.folder import InJobAnalysis
 from ds_cluster.collectives import LOCAL, Collectives
-from ds_cluster.data.dataset import IGNORE_INDEX, trim_padding
 from ds_cluster.loader.figures import ClusterFigures
-from ds_cluster.loader.loss import LOSS_NORMALIZER
-from ds_cluster.loader.schedule import Block, Schedule, StaticSchedule
+from ds_cluster.loader.items import (SAMPLE_INDEX, SAMPLE_WEIGHT, WeightedDataset, batch_reader,  # noqa: F401
+                                     loss_arrays, response_token_counts, weighted_collate)
+from ds_cluster.loader.schedule import (SCHEDULE_STATE, SCHEDULE_STATE_0_6, Block, RunEnd, Schedule,
+                                       StaticSchedule)
 from ds_cluster.planning.plan import Plan
 from ds_cluster.planning.tally import ClusterTally
 from ds_cluster.settings import LossSettings
 
 logger = logging.getLogger(__name__)
 
-SAMPLE_INDEX = "sample_index"
-SAMPLE_WEIGHT = "sample_weight"
-# 2 adds the optimizer step the state was saved at; a version 1 state (without it) still loads.
-STATE_VERSION = 2
-READABLE_STATE_VERSIONS = (1, 2)
-# The key of a schedule's own part of the state (the adaptive schedule's window; named when it was the only one).
-SCHEDULE_STATE = "adaptive"
-
-
-def loss_arrays(sample_index: Any, losses: Any) -> tuple[np.ndarray, np.ndarray]:
-    """A micro-batch's sample indices (int64) and per-sample losses (float64) as flat numpy arrays."""
-    indices = np.asarray(torch.as_tensor(sample_index).detach().cpu(), dtype=np.int64).reshape(-1)
-    values = np.asarray(torch.as_tensor(losses).detach().float().cpu(), dtype=np.float64).reshape(-1)
-    return indices, values
-
-
-class WeightedDataset(Dataset):
-    """The user's dataset, each item with its index and its plan weight beside the user's fields.
-
-    Dict items gain `sample_index` (int64) and `sample_weight` (float32), and
-    `loss_normalizer` (float32) under the "token" loss reduction; tuple/list
-    items gain the first two as their last two elements.
-    """
-
-    def __init__(self, dataset: Dataset, weights: np.ndarray):
-        self.dataset = dataset
-        self.weights = np.asarray(weights, dtype=np.float32)
-        self.normalizers: Optional[np.ndarray] = None  # (N,) float32, set per epoch by the loader
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, index: int) -> Any:
-        item = self.dataset[index]
-        sample_index = torch.tensor(index, dtype=torch.int64)
-        sample_weight = torch.tensor(self.weights[index], dtype=torch.float32)
-        if isinstance(item, dict):
-            extra = {} if self.normalizers is None else {
-                LOSS_NORMALIZER: torch.tensor(self.normalizers[index], dtype=torch.float32)}
-            return {**item, SAMPLE_INDEX: sample_index, SAMPLE_WEIGHT: sample_weight, **extra}
-        if self.normalizers is not None:
-            raise TypeError("loss_reduction 'token' needs dataset items that are dicts (with 'labels')")
-        if isinstance(item, (tuple, list)):
-            return (*item, sample_index, sample_weight)
-        raise TypeError(f"dataset items must be dicts or tuples to carry sample weights, got {type(item).__name__}")
-
-
-def weighted_collate(collate_fn: Optional[Callable] = None) -> Callable:
-    """Collate with the user's function, then add the stacked index and weight tensors.
-
-    Without one: torch's `default_collate`, and a dict batch is then cut to its longest attended row
-    (`trim_padding`: no compute spent on padding).
-    """
-    def default(items: list) -> Any:
-        batch = default_collate(items)
-        return trim_padding(batch) if isinstance(batch, dict) else batch
-
-    user_collate = collate_fn or default
-
-    def collate(items: list) -> Any:
-        if isinstance(items[0], dict):
-            ours = [key for key in (SAMPLE_INDEX, SAMPLE_WEIGHT, LOSS_NORMALIZER) if key in items[0]]
-            stacked = {key: torch.stack([item[key] for item in items]) for key in ours}
-            batch = user_collate([{k: v for k, v in item.items() if k not in ours} for item in items])
-            batch.update(stacked)
-            return batch
-        indices = torch.stack([item[-2] for item in items])
-        weights = torch.stack([item[-1] for item in items])
-        batch = user_collate([tuple(item[:-2]) for item in items])
-        return (*batch, indices, weights) if isinstance(batch, (tuple, list)) else (batch, indices, weights)
-
-    return collate
+# 2 added the optimizer step the state was saved at; 3 keeps one position (the run's next micro-batch) and every
+# schedule's part under one key. States of versions 1 and 2 still load.
+STATE_VERSION = 3
+READABLE_STATE_VERSIONS = (1, 2, 3)
 
 
 class ClusterDataLoader:
@@ -112,19 +45,28 @@ class ClusterDataLoader:
 
     `schedule`: what the run trains on (default: the plan, `StaticSchedule`). `loss`: the weighted loss's
     reduction (default: the one the plan records). `collectives`: this rank among the data-parallel ranks; the
-    "token" reduction sums token counts over them, and an adaptive schedule its figures. `sum_over_ranks` (0.5.0):
-    a sum alone, when there are no collectives to give.
+    "token" reduction sums token counts over them, and an adaptive schedule its figures. `analysis`: how this run's
+    analysis came about (computed in the job, with its timings; None: read from its folder). `sum_over_ranks`
+    (0.5.0): a sum alone, when there are no collectives to give.
     """
+
+    # The one position: micro-batches of the whole run handed to the training loop (not what a prefetching
+    # DataLoader read ahead); the epoch and the place in it follow from it.
+    micro_batch: int = 0
+    # How this run's analysis came about: computed in the job (its timings), or None when it was read.
+    analysis: Optional[InJobAnalysis] = None
+    finished: bool = False  # the schedule has ended the run before its step cap (the adaptive auto budget)
 
     # 0.5.0's names, and what to use instead.
     _MOVED = {"rank_schedule": "loader.plan.rank_layout(epoch, loader.rank)",
               "prepare_epoch": "loader.prepare_iteration()", "epoch_batches": "loader.trainer_batches()",
               "settings": "loader.schedule.settings", "probe": "loader.schedule.probe",
-              "pools": "loader.schedule.pools"}
+              "pools": "loader.schedule.pools", "analysis_timings": "loader.analysis (an InJobAnalysis, or None)"}
 
     def __init__(self, dataset: Dataset, plan: Plan, rank: int, *, schedule: Optional[Schedule] = None,
                  loss: Optional[LossSettings] = None, collectives: Optional[Collectives] = None,
                  collate_fn: Optional[Callable] = None, num_workers: int = 0, pin_memory: bool = False,
+                 analysis: Optional[InJobAnalysis] = None,
                  sum_over_ranks: Optional[Callable[[np.ndarray], np.ndarray]] = None):
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} is outside the plan's world size {plan.world_size}")
@@ -135,7 +77,8 @@ class ClusterDataLoader:
         self.schedule = schedule if schedule is not None else StaticSchedule(plan, rank)
         self.loss = loss if loss is not None else LossSettings.recorded_in(plan.settings)
         self.collectives = collectives
-        self.dataset = WeightedDataset(dataset, self.schedule.initial_weights())
+        self.analysis = analysis
+        self.dataset = WeightedDataset(dataset, np.zeros(plan.num_samples, dtype=np.float32))
         self.collate_fn = weighted_collate(collate_fn)
         self.num_workers = num_workers
         self.pin_memory = pin_memory
@@ -145,20 +88,19 @@ class ClusterDataLoader:
         if self.loss.reduction == "token" and plan.world_size > 1 and collectives.world_size != plan.world_size:
             raise ValueError("loss_reduction 'token' with several ranks needs the data-parallel collectives (the "
                              "hook and ClusterTrainer pass them)")
-        self.epoch = 0
-        self.position = 0  # micro-batches of this epoch already handed to the training loop
-        self.run_micro = 0  # micro-batches of the whole run handed out
+        self.micro_batch = 0
+        self.finished = False
         self.tally = ClusterTally(plan.labels, plan.num_clusters)  # the training losses, per cluster
         self.figures = ClusterFigures(self.tally)  # what a monitor shows per cluster
-        self.analysis_timings: dict[str, float] = {}
         self._block: Optional[Block] = None
         self._placeholders = 0  # micro-batches the Trainer skips itself on resume (never read)
         self._token_counts: Optional[np.ndarray] = None
-        self.schedule.bind(self._read_batch)
 
     def __getattr__(self, name: str) -> Any:
         if name in ClusterDataLoader._MOVED:
-            raise AttributeError(f"ClusterDataLoader.{name} is gone since 0.6.0: use {ClusterDataLoader._MOVED[name]}")
+            raise AttributeError(f"ClusterDataLoader.{name} is gone since 0.7.0: use {ClusterDataLoader._MOVED[name]}"
+                                 if name == "analysis_timings" else
+                                 f"ClusterDataLoader.{name} is gone since 0.6.0: use {ClusterDataLoader._MOVED[name]}")
         raise AttributeError(f"'ClusterDataLoader' object has no attribute {name!r}")
 
     # ------------------------------------------------------------ iteration
@@ -170,21 +112,23 @@ class ClusterDataLoader:
         return self.micro_batches_per_epoch
 
     @property
+    def epoch(self) -> int:
+        """The epoch of the next micro-batch."""
+        return self.micro_batch // self.micro_batches_per_epoch
+
+    @property
+    def position(self) -> int:
+        """Micro-batches of the current epoch handed out; an epoch just used up counts as the next one's start."""
+        return self.micro_batch % self.micro_batches_per_epoch
+
+    @property
     def loss_reduction(self) -> str:
         return self.loss.reduction
 
     @property
-    def finished(self) -> bool:
-        """Whether the run has ended before its step cap (the adaptive schedule's automatic budget)."""
-        return self.schedule.finished
-
-    @property
     def completed_epochs(self) -> int:
-        """Epochs fully handed out so far (the current one counts once its last micro-batch is taken); every epoch
-        counts as done once the schedule has ended the run."""
-        if self.schedule.finished:
-            return sys.maxsize
-        return self.epoch + (1 if self.position >= self.micro_batches_per_epoch else 0)
+        """Epochs fully handed out so far; every epoch counts as done once the schedule has ended the run."""
+        return sys.maxsize if self.finished else self.epoch
 
     def resume_point(self, global_step: int) -> tuple[int, int]:
         """(epoch, micro-batches of it trained) after `global_step` optimizer steps on this plan."""
@@ -192,38 +136,33 @@ class ClusterDataLoader:
         return epoch, steps_in_epoch * self.plan.gradient_accumulation_steps
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the given epoch from its beginning (DistributedSampler's convention)."""
+        """Start the given epoch from its beginning (DistributedSampler's convention), unless the loader is already
+        inside it (a resumed run)."""
         if epoch != self.epoch:
-            self.epoch, self.position = int(epoch), 0
+            self.micro_batch = int(epoch) * self.micro_batches_per_epoch
 
     def __iter__(self) -> Iterator[Any]:
-        self._next_epoch_if_done()
-        indices = self._indices(self.epoch, self.position, self.run_micro)
+        indices = self._indices()
         # A schedule that opens its blocks ahead gives the whole rest of the epoch at once (workers may read
         # ahead); the adaptive one one micro-batch at a time, after the loop has trained the one before.
         batches: Iterable[list[int]] = list(indices) if self.schedule.opens_ahead else _OneAtATime(indices)
         loader = DataLoader(self.dataset, batch_sampler=batches, collate_fn=self.collate_fn,
                             num_workers=self.num_workers, pin_memory=self.pin_memory)
         for batch in loader:
-            self.position += 1
-            self.run_micro += 1
+            self.micro_batch += 1
             yield batch
 
-    def _next_epoch_if_done(self) -> None:
-        if self.position >= self.micro_batches_per_epoch:
-            self.epoch, self.position = self.epoch + 1, 0
-
-    def _indices(self, epoch: int, position: int, run_micro: int) -> Iterator[list[int]]:
-        """This rank's sample indices of the micro-batches from (epoch, position) to the end of the epoch, block by
+    def _indices(self) -> Iterator[list[int]]:
+        """This rank's sample indices of the micro-batches from the next one to the end of its epoch, block by
         block: a block opens when the first of its micro-batches is asked for (collective for an adaptive
         schedule, and for the "token" reduction's normalisers)."""
-        for offset in range(self.micro_batches_per_epoch - position):
-            if self.schedule.finished:
-                return
-            index, inside = self.schedule.locate(epoch, position + offset, run_micro + offset)
+        start = self.micro_batch
+        for micro_batch in range(start, (self.epoch + 1) * self.micro_batches_per_epoch):
+            index, inside = self.schedule.locate(micro_batch)
             if self._block is None or self._block.index != index:
-                block = self.schedule.open(index, self.tally)
+                block = None if self.finished else self.schedule.open(index, self.tally)
                 if block is None:
+                    self.finished = True
                     return
                 self._use(block)
             assert self._block is not None
@@ -256,10 +195,6 @@ class ClusterDataLoader:
         normalizers[per_step] = per_step_value[:, None].astype(np.float32)
         return normalizers
 
-    def _read_batch(self, indices: Sequence[int]) -> Any:
-        """The collated batch of these samples (an adaptive schedule's probe set reads it)."""
-        return self.collate_fn([self.dataset[int(index)] for index in indices])
-
     # The Hugging Face Trainer's side (its batch sampler, `integrations/hf.PlanBatchSampler`): Trainer skips a
     # resumed epoch's first micro-batches itself, so it is handed placeholders for them first.
     def start_epoch(self, epoch: int) -> None:
@@ -276,23 +211,21 @@ class ClusterDataLoader:
         """Before the Trainer's DataLoader starts its workers: open the current epoch's block when the schedule
         can, so the workers' copies of the dataset carry its weights and loss normalisers. Collective under the
         "token" reduction with several ranks."""
-        if self.schedule.opens_ahead:
-            epoch, position = ((self.epoch + 1, 0) if self.position >= self.micro_batches_per_epoch
-                               else (self.epoch, self.position))
-            index, _ = self.schedule.locate(epoch, position, self.run_micro)
+        if self.schedule.opens_ahead and not self.finished:
+            index, _ = self.schedule.locate(self.micro_batch)
             if self._block is None or self._block.index != index:
-                self._use(self.schedule.open(index, self.tally))
+                block = self.schedule.open(index, self.tally)
+                assert block is not None, "a schedule that opens its blocks ahead never ends the run itself"
+                self._use(block)
 
     def trainer_batches(self) -> Iterator[list[int]]:
         """The sample indices of this rank's micro-batches for the rest of the current epoch, placeholders first
         for those the Trainer skips itself (collective where a block opens: call on every rank in step)."""
-        self._next_epoch_if_done()
         while self._placeholders:
             self._placeholders -= 1
             yield [0] * self.plan.micro_batch_size
-        for indices in self._indices(self.epoch, self.position, self.run_micro):
-            self.position += 1
-            self.run_micro += 1
+        for indices in self._indices():
+            self.micro_batch += 1
             yield indices
 
     # ------------------------------------------------------------ what the loop hands back
@@ -303,41 +236,38 @@ class ClusterDataLoader:
         self.tally.add(*loss_arrays(sample_index, losses))
 
     def current_shares(self) -> Optional[list[float]]:
-        """Each cluster's sampling share now: None for the static plan (its shares never change)."""
-        return self.schedule.shares()
+        """Each cluster's sampling share in the block being trained: None for the static plan (its shares never
+        change)."""
+        return None if self._block is None or self._block.shares is None else list(self._block.shares)
 
-    def cooldown_steps(self) -> Optional[tuple[int, int]]:
-        """(first step, end step) of the auto budget's cool-down once announced, else None: what
-        `lr_schedules.warmup_stable_decay` reads to take the learning rate to 0 at the run's end."""
-        return self.schedule.cooldown_steps()
-
-    @property
-    def cooldown_fraction(self) -> Optional[float]:
-        """The fraction of its steps the run cools down for when its schedule ends it (the auto budget's
-        `auto_cooldown`), else None: what `lr_schedules.run_lr_schedule` chooses the learning-rate schedule by."""
-        return self.schedule.cooldown_fraction
+    def run_end(self) -> Optional[RunEnd]:
+        """How the run ends when its schedule may end it itself (the auto budget's cool-down: its fraction of the
+        steps, and its steps once announced), else None: what `lr_schedules.run_lr_schedule` reads."""
+        return None if self._block is None else self._block.run_end
 
     def consumed(self) -> np.ndarray:
         """Distinct samples of each cluster trained on: the plan's kept counts, or what an adaptive run drew."""
-        return self.schedule.consumed()
+        if self._block is None:
+            return np.zeros(self.plan.num_clusters, dtype=np.int64)
+        return self._block.consumed
 
     # ---------------------------------------------------------------- state
     def state_dict(self, global_step: Optional[int] = None) -> dict[str, Any]:
-        """Where the loader is: the next micro-batch (epoch, position) of the plan, the optimizer step, and the
-        schedule's own part (an adaptive one's: collective, call on every rank)."""
-        # A used-up epoch is the start of the next: the same point, written one way.
-        epoch, position = ((self.epoch + 1, 0) if self.position >= self.micro_batches_per_epoch
-                           else (self.epoch, self.position))
-        state = {"version": STATE_VERSION, "epoch": epoch, "position": position,
-                 "seed": self.plan.seed, "plan_fingerprint": self.plan.fingerprint(),
-                 "micro_batches_per_epoch": self.micro_batches_per_epoch,
-                 "global_step": None if global_step is None else int(global_step)}
-        own = self.schedule.state_dict(self.tally)
-        if own is not None:
-            state[SCHEDULE_STATE] = {"run_micro": self.run_micro, **own}
-        return state
+        """Where the loader is: the next micro-batch of the run with its epoch and place in it, the optimizer step,
+        and the schedule's part (an adaptive one's: collective, call on every rank). A schedule that opens its blocks
+        ahead is a function of the step alone, so with `global_step` its position is the step's (a Trainer's
+        DataLoader workers may have read ahead of it); an adaptive schedule never reads ahead."""
+        micro_batch = (int(global_step) * self.plan.gradient_accumulation_steps
+                       if global_step is not None and self.schedule.opens_ahead else self.micro_batch)
+        epoch, position = divmod(micro_batch, self.micro_batches_per_epoch)
+        return {"version": STATE_VERSION, "micro_batch": micro_batch, "epoch": epoch, "position": position,
+                "seed": self.plan.seed, "plan_fingerprint": self.plan.fingerprint(),
+                "micro_batches_per_epoch": self.micro_batches_per_epoch,
+                "global_step": None if global_step is None else int(global_step),
+                SCHEDULE_STATE: self.schedule.state_dict(self.tally)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict`'s state, or one of 0.5.0 or 0.6.0 (versions 1 and 2)."""
         if state.get("version") not in READABLE_STATE_VERSIONS:
             raise ValueError(f"sampler state version {state.get('version')} is not one of {READABLE_STATE_VERSIONS}")
         if state["plan_fingerprint"] != self.plan.fingerprint():
@@ -345,14 +275,26 @@ class ClusterDataLoader:
                 f"the checkpoint was trained on plan {state['plan_fingerprint']}, but this run built plan "
                 f"{self.plan.fingerprint()}: resume with the same data, analysis, config and world size"
             )
-        own = state.get(SCHEDULE_STATE)
-        self.schedule.load_state_dict(None if own is None else {k: v for k, v in own.items() if k != "run_micro"},
-                                      self.tally)
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self.run_micro = (int(own["run_micro"]) if own is not None
-                          else self.epoch * self.micro_batches_per_epoch + self.position)
+        if state["version"] >= 3:
+            own, micro_batch = state[SCHEDULE_STATE], int(state["micro_batch"])
+        else:  # 0.6.0 kept an adaptive schedule's part (with the run's micro-batch) under its own key, a static none
+            old = state.get(SCHEDULE_STATE_0_6)
+            own = ({"kind": "static"} if old is None else
+                   {"kind": "adaptive", **{key: value for key, value in old.items() if key != "run_micro"}})
+            micro_batch = (int(old["run_micro"]) if old is not None
+                           else int(state["epoch"]) * self.micro_batches_per_epoch + int(state["position"]))
+        self.schedule.load_state_dict(own, self.tally)
+        self.micro_batch = micro_batch
+        self.finished = False  # the schedule says so again at the next block it is asked for
         self._block = None  # reopened at the next micro-batch (not here: that may be collective)
         logger.info("cluster sampler resumed at epoch %d, micro-batch %d", self.epoch, self.position)
+
+
+def cluster_loader(loader: Any) -> Optional[ClusterDataLoader]:
+    """The loader `deepspeed.initialize` returned as ds_cluster's `ClusterDataLoader` (its plan, its figures, what it
+    consumed), or None when it is DeepSpeed's own (the block disabled or absent): the one way a training script asks
+    which it has."""
+    return loader if isinstance(loader, ClusterDataLoader) else None
 
 
 class _OneAtATime:
@@ -363,18 +305,3 @@ class _OneAtATime:
 
     def __iter__(self) -> Iterator[list[int]]:
         return self.indices
-
-
-def response_token_counts(dataset: Any, indices: np.ndarray, num_samples: int) -> np.ndarray:
-    """Labelled (response) tokens after the one-token shift of the samples `indices`: int64 (N,), 0 elsewhere."""
-    counts = np.zeros(num_samples, dtype=np.int64)
-    labels = getattr(dataset, "labels", None)
-    if isinstance(labels, torch.Tensor) and labels.dim() == 2 and labels.shape[0] == num_samples:
-        counts[indices] = (labels[torch.as_tensor(indices), 1:] != IGNORE_INDEX).sum(dim=1).numpy()
-        return counts
-    for index in np.asarray(indices).tolist():
-        item = dataset[index]
-        if not isinstance(item, dict) or "labels" not in item:
-            raise TypeError("loss_reduction 'token' needs dataset items that are dicts with 'labels'")
-        counts[index] = int((torch.as_tensor(item["labels"])[1:] != IGNORE_INDEX).sum())
-    return counts

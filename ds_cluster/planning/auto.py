@@ -25,19 +25,7 @@ from typing import ClassVar, Optional, Sequence
 import numpy as np
 
 from ds_cluster.registry import Registry
-
-
-@dataclass(frozen=True)
-class AutoRule:
-    """The automatic budget's thresholds (the block's auto_* keys) and the window's length in optimizer steps."""
-
-    signal: str = "relative"
-    tolerance: float = 0.03
-    patience: int = 3
-    fit_windows: int = 8
-    remaining: float = 0.2
-    floor: float = 0.02
-    window_steps: int = 10
+from ds_cluster.settings import ScheduleSettings
 
 
 @dataclass(frozen=True)
@@ -60,7 +48,7 @@ class AutoSignal(ABC):
     best_is_reference: ClassVar[bool] = False
 
     @abstractmethod
-    def read(self, history: Sequence[Sequence[float]], first: float, best: float, rule: AutoRule) -> Reading:
+    def read(self, history: Sequence[Sequence[float]], first: float, best: float, rule: ScheduleSettings) -> Reading:
         """The cluster's reading after the window whose figure is history[-1]."""
 
 
@@ -79,7 +67,7 @@ class RelativeSignal(AutoSignal):
     name = "relative"
     best_is_reference = True
 
-    def read(self, history: Sequence[Sequence[float]], first: float, best: float, rule: AutoRule) -> Reading:
+    def read(self, history: Sequence[Sequence[float]], first: float, best: float, rule: ScheduleSettings) -> Reading:
         latest = history[-1][1]
         return Reading(math.isnan(best) or latest < best * (1.0 - rule.tolerance),
                        why=f"loss {latest:.4f}, not {rule.tolerance:.0%} below its best {best:.4f}")
@@ -88,7 +76,7 @@ class RelativeSignal(AutoSignal):
 class CurveSignal(AutoSignal):
     name = "curve"
 
-    def read(self, history: Sequence[Sequence[float]], first: float, best: float, rule: AutoRule) -> Reading:
+    def read(self, history: Sequence[Sequence[float]], first: float, best: float, rule: ScheduleSettings) -> Reading:
         curve = fitted_curve(history[-rule.fit_windows:]) if len(history) >= rule.fit_windows else None
         if curve is None:
             return Reading(True)  # not enough windows to read a curve from yet
@@ -102,13 +90,13 @@ class CurveSignal(AutoSignal):
 class FloorSignal(AutoSignal):
     name = "floor"
 
-    def read(self, history: Sequence[Sequence[float]], first: float, best: float, rule: AutoRule) -> Reading:
+    def read(self, history: Sequence[Sequence[float]], first: float, best: float, rule: ScheduleSettings) -> Reading:
         curve = fitted_curve(history[-rule.fit_windows:]) if len(history) >= rule.fit_windows else None
         if curve is None:
             return Reading(True)
         now, beta = curve
         step = history[-1][0]
-        fall_next_window = now * (1.0 - ((step + rule.window_steps) / step) ** beta) if beta < 0 else 0.0
+        fall_next_window = now * (1.0 - ((step + rule.adapt_every) / step) ** beta) if beta < 0 else 0.0
         gain_ahead = now * (1.0 - 2.0 ** beta) if beta < 0 else 0.0
         return Reading(fall_next_window >= rule.floor, gain_ahead,
                        f"its learning curve falls {fall_next_window:.4f} nats over the next window (the bar: "
@@ -136,10 +124,11 @@ class AutoState:
                    [None] * num_clusters, [None] * num_clusters)
 
 
-def auto_step(state: AutoState, tracked: np.ndarray, step: int, rule: AutoRule) -> tuple[AutoState, list]:
+def auto_step(state: AutoState, tracked: np.ndarray, step: int, rule: ScheduleSettings) -> tuple[AutoState, list]:
     """The state after one window whose tracked losses (per cluster; NaN where a cluster had no figure) ended at
-    optimizer `step`, and each cluster's predicted gain (None where there is none). A cluster that has not improved
-    for `patience` windows in a row stops, for good; clusters without a figure, or stopped, keep their state."""
+    optimizer `step`, under the schedule's auto_* thresholds (`rule`), and each cluster's predicted gain (None where
+    there is none). A cluster that has not improved for `patience` windows in a row stops, for good; clusters without
+    a figure, or stopped, keep their state."""
     signal = AUTO_SIGNALS.get_rule(rule.signal)
     keep = max(rule.fit_windows, 2)
     best, stale, stopped = list(state.best), list(state.stale), list(state.stopped)

@@ -108,14 +108,20 @@ def cluster_budgets(
         raise ValueError(f"every cluster needs at least one sample; clusters {empty} are empty")
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"budget_ratio must be in (0, 1], got {ratio}")
-    total = int(budget_samples) if budget_samples is not None else int(round(ratio * int(sizes.sum())))
-    total = min(total, int(sizes.sum()))
+    total = budget_total(sizes, ratio, budget_samples)
     if rule.uses_total and total < sizes.size:
         raise ValueError(
             f"a budget of {total} samples leaves some of the {sizes.size} clusters with no sample; "
             "raise budget_ratio / budget_samples or lower num_clusters"
         )
     return rule.kept_sizes(sizes, ratio, total, cluster_spreads)
+
+
+def budget_total(cluster_sizes: np.ndarray, ratio: float, budget_samples: Optional[int] = None) -> int:
+    """S: `budget_samples`, else round(r x N), at most N (the samples taking part)."""
+    available = int(np.asarray(cluster_sizes, dtype=np.int64).sum())
+    total = int(budget_samples) if budget_samples is not None else int(round(ratio * available))
+    return min(total, available)
 
 
 def _proportional(sizes: np.ndarray, total: int) -> np.ndarray:

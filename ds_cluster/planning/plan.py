@@ -1,9 +1,8 @@
-"""The pure middle: features -> clusters -> selection -> allocation, as one Plan.
+"""The pure middle: clusters -> budget -> selection -> weights -> allocation, as one Plan.
 
-`build_plan` composes the three stages; a Plan holds plain arrays, builds
-each epoch's schedule on demand, fingerprints itself, and saves to a folder.
-No torch, no process group: every rank builds the same Plan and compares
-fingerprints.
+`build_plan` composes these stages over the clusters the clustering stage made (`clustering.samples`); a Plan
+holds plain arrays, builds each epoch's layout on demand, fingerprints itself, and saves to a folder. No torch,
+no process group: every rank builds the same Plan and compares fingerprints.
 """
 from __future__ import annotations
 
@@ -20,14 +19,15 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from ds_cluster.batching import BatchShape
-from ds_cluster.clustering.kmeans import (ClusterResult, cluster_from_labels, cluster_with, spread_to_all,
-                                          validate_features)
+from ds_cluster.clustering.samples import Clusters, PlanInputs, cluster_samples
 from ds_cluster.fileio import replace_dir, staging_dir, write_json_atomic, write_npy_atomic
 from ds_cluster.planning.allocation import ALLOCATIONS, Allocation, cluster_members, epoch_layout
-from ds_cluster.planning.budget import BUDGETS, cluster_budgets, cluster_spreads
-from ds_cluster.planning.selection import SELECTIONS, UNIFORM, select_in_clusters
-from ds_cluster.planning.weights import sample_weights
-from ds_cluster.settings import ClusteringSettings, StageSettings, stages_of
+from ds_cluster.planning.budget import BUDGETS, budget_total, cluster_budgets, cluster_spreads
+from ds_cluster.planning.selection import (SELECTIONS, UNIFORM, SelectionInputs, TargetedInputs,
+                                           select_in_clusters)
+from ds_cluster.planning.targeted import TargetRows
+from ds_cluster.planning.weights import WEIGHTINGS, sample_weights
+from ds_cluster.settings import StageSettings, stages_of
 
 
 logger = logging.getLogger(__name__)
@@ -234,76 +234,49 @@ class Plan:
         }
 
 
-def build_plan(
-    features: Optional[np.ndarray],
-    config: Any,
-    *,
-    world_size: int,
-    micro_batch_size: int,
-    gradient_accumulation_steps: int,
-    labels: Optional[np.ndarray] = None,
-    exclude: Optional[np.ndarray] = None,
-    distances: Optional[np.ndarray] = None,
-    centroids: Optional[np.ndarray] = None,
-) -> Plan:
-    """Cluster (unless labels are given), select a balanced subset, weight it, and allocate it.
+def build_plan(clusters: Any, settings: Any, shape: Optional[BatchShape] = None, target: Optional[TargetRows] = None,
+               **old_call: Any) -> Plan:
+    """Select a balanced subset of the clusters, weight it, and lay it out for the batch shape.
 
-    features: (N, d) finite floats, or None when labels are given and the
-    selection needs no geometry ("random"). labels: (N,) ints >= 0 (a
-    cluster or category per sample; -1 leaves a sample out), which skips
-    k-means. exclude: (N,) bool, samples never trained on (e.g. no response
-    tokens); they get label -1 and weight 0. distances (N,) and centroids
-    (K, d), with labels: the clustering's own (an analysis records k-means'
-    centres and each sample's distance to its centre); without them the
-    centres are the member means. `config`: the `cluster_sampling` block
-    (a ClusterSamplingConfig) or its `StageSettings`; the plan reads the
-    clustering and selection settings, and records every stage's
-    (`StageSettings.plan_record`). Long because every input is checked here,
-    once, before the stages run.
+    `clusters`: every sample's cluster (`clustering.samples.cluster_samples`: k-means of an analysis's features, or
+    its labels). `settings`: the `cluster_sampling` block (a ClusterSamplingConfig) or its `StageSettings`; the plan
+    reads the selection settings and records every stage's (`StageSettings.plan_record`). `shape`: the data-parallel
+    ranks, micro batch and accumulation steps. `target`: the target examples' feature rows and targets (an analysis's
+    `AnalysisDir.load_target()`), which a targeted selection ("round_robin", "clusters") reads; it chooses the whole
+    subset, and the clusters' kept counts follow from it; the plan then records the target's fingerprint.
+
+    0.6.0's call, `build_plan(features, config, world_size=, micro_batch_size=, gradient_accumulation_steps=,
+    labels=, exclude=, distances=, centroids=)`, still works (with a DeprecationWarning): it clusters first.
     """
-    stages: StageSettings = stages_of(config)
+    if not isinstance(clusters, Clusters):
+        warnings.warn("build_plan(features, config, world_size=..., ...) is build_plan(cluster_samples(PlanInputs("
+                      "...), settings.clustering, world_size), settings, BatchShape(...)) since 0.7.0",
+                      DeprecationWarning, stacklevel=2)
+        clusters, shape = _clusters_of_0_6_call(clusters, settings, shape, old_call)
+    elif old_call or shape is None:
+        raise TypeError("build_plan(clusters, settings, shape): give the batch shape as a BatchShape")
+    stages: StageSettings = stages_of(settings)
     chosen = stages.selection
-    shape = BatchShape(world_size, micro_batch_size, gradient_accumulation_steps)
     allocation = ALLOCATIONS.get_rule(chosen.allocation)
-    budget = BUDGETS.get_rule(chosen.budget_mode)
     selection = SELECTIONS.get_rule(chosen.selection)
-    num_samples, points = _check_inputs(features, labels, exclude)
-    if distances is not None and (labels is None or np.asarray(distances).shape != (num_samples,)):
-        raise ValueError(f"distances must come with labels and have shape ({num_samples},)")
-    has_geometry = points is not None or distances is not None
-    if selection.reads_features and points is None and has_geometry:
-        raise ValueError(f"selection '{selection.name}' needs the features themselves, and there are none "
-                         "(no features.npy in the analysis); use 'peripheral', 'spread' or 'random'")
-    clusters, participating_rows = _clusters(points, labels, exclude, num_samples, stages.clustering, world_size,
-                                             distances, centroids)
-    num_clusters = clusters.num_clusters
-    full_labels, distances = spread_to_all(clusters, participating_rows, num_samples)
-    cluster_sizes = np.bincount(clusters.labels, minlength=num_clusters).astype(np.int64)
-    kept_sizes = cluster_budgets(
-        cluster_sizes, budget, chosen.planned_ratio, chosen.budget_samples,
-        # Only a rule that reads them gets the spreads (0.1 to 0.3 s at N = 10M).
-        cluster_spreads(clusters.distances, clusters.labels, num_clusters)
-        if has_geometry and budget.needs_spreads else None,
-    )
-    allocation.check(kept_sizes, shape)
-    needs_choice = bool((kept_sizes < cluster_sizes).any())
-    selection = selection if (has_geometry or needs_choice) else UNIFORM
-    norms = None
-    if has_geometry and selection.reads_norms:
-        norms = np.full(num_samples, np.nan)
-        norms[participating_rows] = _row_norms(points if participating_rows.size == num_samples
-                                               else points[participating_rows])
-    selected = select_in_clusters(full_labels, kept_sizes, selection,
-                                  distances=distances if has_geometry else None, norms=norms,
-                                  features=points if selection.reads_rows else None,
-                                  seed=chosen.seed, dedup_similarity=chosen.dedup_similarity)
-    weights = sample_weights(full_labels, selected, cluster_sizes, kept_sizes, chosen.weighting,
+    num_clusters, num_samples = clusters.num_clusters, clusters.num_samples
+    cluster_sizes = np.bincount(clusters.taking_part(clusters.labels), minlength=num_clusters).astype(np.int64)
+    record = stages.plan_record()
+    if selection.targeted:
+        selected, kept_sizes = _targeted_selection(clusters, chosen, selection, cluster_sizes, target)
+        record["target"] = {**record["target"], "fingerprint": getattr(target, "fingerprint", None)}
+        allocation.check(kept_sizes, shape)
+    else:
+        kept_sizes = _cluster_budgets(clusters, chosen, selection, cluster_sizes)
+        allocation.check(kept_sizes, shape)
+        selected = _select_in_clusters(clusters, chosen, selection, cluster_sizes, kept_sizes)
+    weights = sample_weights(clusters.labels, selected, cluster_sizes, kept_sizes, chosen.weighting,
                              temperature=chosen.weight_temperature)
 
-    plan = Plan(labels=full_labels, centroids=clusters.centroids, distances=distances, selected=selected,
-                weights=weights, cluster_sizes=cluster_sizes, kept_sizes=kept_sizes, world_size=int(world_size),
-                micro_batch_size=int(micro_batch_size), gradient_accumulation_steps=int(gradient_accumulation_steps),
-                allocation=chosen.allocation, seed=chosen.seed, settings=stages.plan_record())
+    plan = Plan(labels=clusters.labels, centroids=clusters.centroids, distances=clusters.distances, selected=selected,
+                weights=weights, cluster_sizes=cluster_sizes, kept_sizes=kept_sizes, world_size=shape.world_size,
+                micro_batch_size=shape.micro_batch_size, gradient_accumulation_steps=shape.gradient_accumulation_steps,
+                allocation=chosen.allocation, seed=chosen.seed, settings=record)
     if plan.steps_per_epoch < 1:
         raise ValueError(
             f"the kept subset ({plan.num_kept} samples, smallest cluster keeps {int(kept_sizes.min())}) is smaller "
@@ -314,65 +287,78 @@ def build_plan(
     return plan
 
 
-def _clusters(points: Optional[np.ndarray], labels: Optional[np.ndarray], exclude: Optional[np.ndarray],
-              num_samples: int, clustering: ClusteringSettings, world_size: int, distances: Optional[np.ndarray],
-              centroids: Optional[np.ndarray]) -> tuple[ClusterResult, np.ndarray]:
-    """The clusters of the samples that take part (k-means, or the given labels), and which rows those are."""
-    included = np.ones(num_samples, dtype=bool)
-    if exclude is not None:
-        included &= ~np.asarray(exclude, dtype=bool)
-    if labels is not None:
-        included &= np.asarray(labels) >= 0
-    participating_rows = np.flatnonzero(included)
-    if participating_rows.size == 0:
-        raise ValueError("every sample is excluded (no features or label -1): there is nothing to train on")
-    everyone = participating_rows.size == num_samples
-    # Avoid copying (N, d) features when nothing is left out.
-    included_points = None if points is None else (points if everyone else points[participating_rows])
-    if labels is not None:
-        label_array = np.asarray(labels, dtype=np.int64)
-        taking_part = label_array if everyone else label_array[participating_rows]
-        compact, num_clusters = _compact_labels(taking_part)
-        if distances is None:
-            return cluster_from_labels(included_points, compact, num_clusters), participating_rows
-        given = np.asarray(distances, dtype=np.float64)
-        centres = (np.asarray(centroids, dtype=np.float32)[np.flatnonzero(np.bincount(taking_part) > 0)]
-                   if centroids is not None else np.zeros((num_clusters, 0), np.float32))
-        return ClusterResult(compact, centres, given if everyone else given[participating_rows]), participating_rows
-    return cluster_with(included_points, clustering, world_size), participating_rows
+def _cluster_budgets(clusters: Clusters, chosen: Any, selection: Any, cluster_sizes: np.ndarray) -> np.ndarray:
+    """The budget rule's kept count per cluster."""
+    budget = BUDGETS.get_rule(chosen.budget_mode)
+    if selection.reads_features and clusters.features is None and clusters.has_geometry:
+        raise ValueError(f"selection '{selection.name}' needs the features themselves, and there are none "
+                         "(no features.npy in the analysis); use 'peripheral', 'spread' or 'random'")
+    taking_part = clusters.taking_part(clusters.labels)
+    return cluster_budgets(
+        cluster_sizes, budget, chosen.planned_ratio, chosen.budget_samples,
+        # Only a rule that reads them gets the spreads (0.1 to 0.3 s at N = 10M).
+        cluster_spreads(clusters.taking_part(clusters.distances), taking_part, clusters.num_clusters)
+        if clusters.has_geometry and budget.needs_spreads else None,
+    )
 
 
-def _check_inputs(features: Optional[np.ndarray], labels: Optional[np.ndarray],
-                  exclude: Optional[np.ndarray]) -> tuple[int, Optional[np.ndarray]]:
-    points = None
-    if features is not None:
-        points = validate_features(features)
-        num_samples = points.shape[0]
-    elif labels is None:
-        raise ValueError("build_plan needs features, or labels to skip clustering")
-    if labels is not None:
-        label_array = np.asarray(labels)
-        if label_array.ndim != 1 or not np.issubdtype(label_array.dtype, np.integer):
-            raise ValueError(f"labels must be a 1-D integer array, got shape {label_array.shape}, dtype {label_array.dtype}")
-        if label_array.size == 0:
-            raise ValueError("labels is empty: there is nothing to plan")
-        if points is not None and label_array.shape[0] != points.shape[0]:
-            raise ValueError(f"labels has {label_array.shape[0]} entries but features has {points.shape[0]} rows")
-        if (label_array < -1).any():
-            raise ValueError(f"labels must be >= 0 (or -1 to leave a sample out); found {int(label_array.min())}")
-        num_samples = label_array.shape[0]
-    if exclude is not None and np.asarray(exclude).shape != (num_samples,):
-        raise ValueError(f"exclude must be a bool array of shape ({num_samples},), got {np.asarray(exclude).shape}")
-    return num_samples, points
+def _select_in_clusters(clusters: Clusters, chosen: Any, selection: Any, cluster_sizes: np.ndarray,
+                        kept_sizes: np.ndarray) -> np.ndarray:
+    """The selection rule's kept samples of each cluster, kept_sizes[c] of cluster c."""
+    points, has_geometry = clusters.features, clusters.has_geometry
+    needs_choice = bool((kept_sizes < cluster_sizes).any())
+    selection = selection if (has_geometry or needs_choice) else UNIFORM
+    norms = None
+    if has_geometry and selection.reads_norms:
+        assert points is not None
+        norms = np.full(clusters.num_samples, np.nan)
+        norms[clusters.rows] = _row_norms(clusters.taking_part(points))
+    return select_in_clusters(clusters.labels, kept_sizes, selection, SelectionInputs(
+        distances=clusters.distances if has_geometry else None, norms=norms,
+        features=points if selection.reads_rows else None, seed=chosen.seed,
+        dedup_similarity=chosen.dedup_similarity))
 
 
-def _compact_labels(labels: np.ndarray) -> tuple[np.ndarray, int]:
-    """Labels renumbered 0..K-1 in order of their values (an O(N) bincount, not a sort)."""
-    present = np.bincount(labels) > 0
-    if present.all():
-        return labels.astype(np.int64, copy=False), int(present.size)  # already 0..K-1: no copy of N labels
-    new_id = np.cumsum(present) - 1
-    return new_id[labels].astype(np.int64), int(present.sum())
+def _targeted_selection(clusters: Clusters, chosen: Any, selection: Any, cluster_sizes: np.ndarray,
+                        target: Optional[TargetRows]) -> tuple[np.ndarray, np.ndarray]:
+    """A targeted rule's subset of budget S (budget_samples, else round(r x N)) and the kept count per cluster."""
+    if chosen.target is None:
+        raise ValueError(f"selection '{selection.name}' reads target examples: set cluster_sampling.target")
+    if target is None:
+        raise ValueError(f"selection '{selection.name}' reads the target examples' features, and there are none: "
+                         "make the analysis with the target (`ds-cluster analyze --target`, or let the training job "
+                         "compute it with cluster_sampling.target set)")
+    if clusters.features is None:
+        raise ValueError(f"selection '{selection.name}' compares the records' features with the target's, and the "
+                         "analysis holds none (no features.npy): rerun `ds-cluster analyze`")
+    if np.asarray(target.features).ndim != 2 or np.asarray(target.features).shape[1] != clusters.features.shape[1]:
+        raise ValueError(f"the target's features have shape {np.asarray(target.features).shape} but the records' "
+                         f"have dimension {clusters.features.shape[1]}: they were not computed together; rerun the "
+                         "analysis with the target")
+    if WEIGHTINGS.get_rule(chosen.weighting).rebalances and chosen.weight_temperature > 0:
+        logger.warning("selection '%s' with weighting '%s': the loss weights give every cluster back its share of "
+                       "the whole data, against the target's choice; \"weighting\": \"none\" trains the subset as "
+                       "it is (docs/targeted.md)", selection.name, chosen.weighting)
+    total = budget_total(cluster_sizes, chosen.planned_ratio, chosen.budget_samples)
+    selected = selection.select_toward(TargetedInputs(
+        features=clusters.features, labels=clusters.labels, centroids=clusters.centroids, target=target,
+        total=total, floor=chosen.target.cluster_floor, dedup_similarity=chosen.dedup_similarity))
+    kept_sizes = np.bincount(clusters.labels[selected], minlength=clusters.num_clusters).astype(np.int64)
+    return selected, kept_sizes
+
+
+def _clusters_of_0_6_call(features: Optional[np.ndarray], settings: Any, shape: Optional[BatchShape],
+                          old_call: dict[str, Any]) -> tuple[Clusters, BatchShape]:
+    """The clusters and batch shape of 0.6.0's `build_plan(features, config, world_size=..., ...)`."""
+    shape_keys = ("world_size", "micro_batch_size", "gradient_accumulation_steps")
+    input_keys = ("labels", "exclude", "distances", "centroids")
+    unknown = set(old_call) - set(shape_keys) - set(input_keys)
+    if shape is not None or unknown or any(key not in old_call for key in shape_keys):
+        raise TypeError("build_plan(clusters, settings, shape): clusters from clustering.samples.cluster_samples, "
+                        "shape a BatchShape")
+    shape = BatchShape(*(int(old_call[key]) for key in shape_keys))
+    inputs = PlanInputs(features, **{key: old_call.get(key) for key in input_keys})
+    return cluster_samples(inputs, stages_of(settings).clustering, shape.world_size), shape
 
 
 def _row_norms(points: np.ndarray, chunk: int = 65536) -> np.ndarray:

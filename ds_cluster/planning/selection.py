@@ -12,6 +12,14 @@ of a per-sample key (ties to the lower index, so the choice is the same everywhe
 - "semdedup": random's order with near-duplicates (cosine similarity >= dedup_similarity to an earlier
   member) skipped (`diversity.semantic_dedup`).
 
+Two rules read a set of target examples and decide how many records each cluster keeps themselves (`targeted`; the
+plan calls `select_toward`, planning/targeted.py):
+
+- "round_robin": the target examples (one target) or the targets (several) take turns, each its most similar
+  record not yet taken;
+- "clusters": each cluster's budget in proportion to the target examples nearest its centre (with a floor), its
+  records taken most similar first.
+
 Samples with a negative label (left out) are never chosen.
 """
 from __future__ import annotations
@@ -23,6 +31,8 @@ from typing import ClassVar, Optional, Union
 import numpy as np
 
 from ds_cluster.planning.diversity import k_center_greedy, semantic_dedup
+from ds_cluster.planning.targeted import (TargetRows, check_budget_covers_targets, cluster_budgets_toward,
+                                          member_centroids, round_robin, target_scores)
 from ds_cluster.registry import Registry
 
 
@@ -44,6 +54,8 @@ class SelectionRule(ABC):
     reads_distances: ClassVar[bool] = False  # each sample's distance to its cluster's centre
     reads_norms: ClassVar[bool] = False  # each sample's feature norm (computed from the rows)
     reads_rows: ClassVar[bool] = False  # the feature rows themselves
+    # Whether the rule reads target examples and decides the clusters' kept counts itself (`select_toward`).
+    targeted: ClassVar[bool] = False
 
     @property
     def reads_features(self) -> bool:
@@ -174,36 +186,88 @@ class SemDedup(SelectionRule):
         return np.flatnonzero(chosen).astype(np.int64, copy=False)
 
 
+@dataclass(frozen=True)
+class TargetedInputs:
+    """What a targeted rule reads: the feature rows (N, d), every sample's cluster (-1: left out), the clusters'
+    centres, the target examples, the budget S, the clusters rule's floor and the near-duplicate threshold."""
+
+    features: np.ndarray
+    labels: np.ndarray
+    centroids: Optional[np.ndarray]
+    target: TargetRows
+    total: int
+    floor: int
+    dedup_similarity: float
+
+
+class TargetedRule(SelectionRule):
+    """A rule that reads target examples and chooses the whole subset itself: the clusters' kept counts follow."""
+
+    targeted = True
+    reads_rows = True
+
+    def select(self, labels: np.ndarray, kept_sizes: np.ndarray, counts: np.ndarray, inputs: SelectionInputs,
+               rng: np.random.Generator) -> np.ndarray:
+        raise TypeError(f"selection {self.name!r} decides how many records each cluster keeps: build_plan calls "
+                        "its select_toward with the target examples")
+
+    @abstractmethod
+    def select_toward(self, inputs: TargetedInputs) -> np.ndarray:
+        """Sorted int64 indices of the records kept (S of them, never a left-out one)."""
+
+
+class RoundRobin(TargetedRule):
+    name = "round_robin"
+
+    def select_toward(self, inputs: TargetedInputs) -> np.ndarray:
+        rows = np.flatnonzero(inputs.labels >= 0)
+        return round_robin(inputs.features, rows, inputs.target, inputs.total, inputs.dedup_similarity,
+                           inputs.labels[rows])
+
+
+class TowardTargetClusters(TargetedRule):
+    name = "clusters"
+
+    def select_toward(self, inputs: TargetedInputs) -> np.ndarray:
+        labels = inputs.labels
+        rows = np.flatnonzero(labels >= 0)
+        num_clusters = int(labels.max()) + 1
+        sizes = np.bincount(labels[rows], minlength=num_clusters)
+        centroids = member_centroids(inputs.features, labels, num_clusters, inputs.centroids)
+        check_budget_covers_targets(inputs.total, inputs.target)
+        kept = cluster_budgets_toward(sizes, centroids, inputs.target, inputs.total, inputs.floor)
+        score = np.full(labels.size, -np.inf)
+        score[rows] = target_scores(inputs.features, rows, inputs.target)[0]
+        chosen = np.zeros(labels.size, dtype=bool)
+        for members, keep in _clusters_in_index_order(labels, sizes, kept):
+            ordered = members[np.lexsort((members, -score[members]))]  # most similar first, ties to the lower index
+            chosen[semantic_dedup(inputs.features, ordered, int(keep), inputs.dedup_similarity)] = True
+        return np.flatnonzero(chosen).astype(np.int64, copy=False)
+
+
 SELECTIONS: Registry[SelectionRule] = Registry(
-    "selection", (Peripheral(), Core(), Random(), Mix(), Norm(), Spread(), KCenter(), SemDedup()))
+    "selection", (Peripheral(), Core(), Random(), Mix(), Norm(), Spread(), KCenter(), SemDedup(), RoundRobin(),
+                  TowardTargetClusters()))
 # What a plan falls back to when it has no geometry and keeps everything anyway.
 UNIFORM: SelectionRule = SELECTIONS["random"]
 
 
-def select_in_clusters(
-    labels: np.ndarray,
-    kept_sizes: np.ndarray,
-    rule: Union[str, SelectionRule],
-    *,
-    distances: Optional[np.ndarray] = None,
-    norms: Optional[np.ndarray] = None,
-    features: Optional[np.ndarray] = None,
-    seed: int = 0,
-    dedup_similarity: float = 0.95,
-) -> np.ndarray:
-    """Sorted int64 indices: in each cluster c, kept_sizes[c] samples chosen by the rule (see the module docstring).
+def select_in_clusters(labels: np.ndarray, kept_sizes: np.ndarray, rule: Union[str, SelectionRule],
+                       inputs: Optional[SelectionInputs] = None) -> np.ndarray:
+    """Sorted int64 indices: in each cluster c, kept_sizes[c] samples chosen by the rule (see the module docstring),
+    from what it reads (`inputs`: distances, norms, feature rows, the seed).
 
     Samples with a negative label (excluded) are never chosen.
     """
+    inputs = inputs or SelectionInputs()
     labels = np.asarray(labels, dtype=np.int64)
     kept_sizes = np.asarray(kept_sizes, dtype=np.int64)
-    rng = np.random.default_rng([seed, 0x5E1EC7])
+    rng = np.random.default_rng([inputs.seed, 0x5E1EC7])
     taking_part = labels >= 0
     everyone = bool(taking_part.all())
     counts = np.bincount(labels if everyone else labels[taking_part], minlength=kept_sizes.size)
     if np.array_equal(counts, kept_sizes):  # everything is kept: nothing to choose
         return np.arange(labels.size, dtype=np.int64) if everyone else np.flatnonzero(taking_part)
-    inputs = SelectionInputs(distances, norms, features, seed, dedup_similarity)
     chosen_rule = SELECTIONS.get_rule(rule)
     chosen_rule.check_inputs(inputs)
     too_many = np.flatnonzero(kept_sizes > counts[:kept_sizes.size])

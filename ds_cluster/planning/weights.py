@@ -22,6 +22,8 @@ class WeightingRule(ABC):
     """The loss weight of a kept sample of each cluster, from the clusters' sizes and what they keep."""
 
     name: ClassVar[str]
+    # Whether the weights give each cluster back its share of the whole data (what a targeted selection does not want).
+    rebalances: ClassVar[bool] = True
 
     @abstractmethod
     def cluster_weights(self, cluster_sizes: np.ndarray, kept_sizes: np.ndarray, temperature: float) -> np.ndarray:
@@ -49,6 +51,7 @@ class NoWeighting(WeightingRule):
     """Every kept sample weighs 1."""
 
     name = "none"
+    rebalances = False
 
     def cluster_weights(self, cluster_sizes: np.ndarray, kept_sizes: np.ndarray, temperature: float) -> np.ndarray:
         return np.ones(np.asarray(cluster_sizes).shape[0], dtype=np.float64)

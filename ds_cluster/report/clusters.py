@@ -56,7 +56,8 @@ def describe_clusters(plan: Plan, *, prompts: Optional[Sequence[str]] = None,
             mix = sorted(zip(names.tolist(), counts.tolist()), key=lambda item: (-item[1], item[0]))
         examples = []
         if prompts is not None:
-            examples = [_cut(prompts[row], example_chars) for row in _nearest_centre(rows, plan.distances, num_examples)]
+            nearest = _nearest_centre(rows, plan.distances, num_examples)
+            examples = [_cut(prompts[row], example_chars) for row in nearest]
         descriptions.append(ClusterDescription(cluster=cluster, size=int(plan.cluster_sizes[cluster]),
                                                kept=int(plan.kept_sizes[cluster]), weight=float(weight_of[cluster]),
                                                categories=mix, words=words[cluster], examples=examples))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -15,13 +16,32 @@ import numpy as np
 
 from ds_cluster.fileio import write_jsonl_atomic, write_text_atomic
 from ds_cluster.planning.plan import Plan
+from ds_cluster.planning.targeted import target_scores
 
 logger = logging.getLogger(__name__)
 
 EXPORT_FORMATS = ("jsonl", "datasets")
 # The fields each exported record gains; a record that already has one is refused, never overwritten.
 CLUSTER_FIELD, WEIGHT_FIELD = "cluster", "weight"
+# With target examples: each record's similarity to the target, and the target of the example it is most like.
+SCORE_FIELD, TARGET_FIELD = "target_score", "target_group"
 MANIFEST_SUFFIX = ".manifest.json"
+
+
+@dataclass(frozen=True)
+class RecordScores:
+    """Every record's score against an analysis's target examples: its largest cosine similarity to one of them, and
+    that example's target (`record_scores`)."""
+
+    score: np.ndarray
+    target: Sequence[str]
+
+
+def record_scores(features: np.ndarray, target: Any) -> RecordScores:
+    """`RecordScores` of every row of `features` against `target` (an analysis's `AnalysedTarget`), in blocks."""
+    scores, nearest = target_scores(features, np.arange(features.shape[0]), target)
+    names = list(target.group_names)
+    return RecordScores(scores, [names[int(group)] for group in nearest])
 
 
 def manifest_path(out: Union[str, os.PathLike]) -> Path:
@@ -32,14 +52,17 @@ def manifest_path(out: Union[str, os.PathLike]) -> Path:
 
 def export_subset(plan: Plan, records: Sequence[Mapping[str, Any]], out: Union[str, os.PathLike], *,
                   export_format: str = "jsonl", excluded: Optional[Union[str, os.PathLike]] = None,
-                  sources: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+                  sources: Optional[Mapping[str, Any]] = None, scores: Optional[RecordScores] = None
+                  ) -> dict[str, Any]:
     """Write the plan's kept records to `out` (in their original order) and a manifest beside it; returns it.
 
     Each record is written unchanged with two fields added: `cluster` (its k-means cluster) and `weight` (its
     loss weight: the plan's per-sample weight, whose mean over the kept records is what the plan's weighting
     gives; multiply each record's loss by it to keep the full data's mix). `excluded`, when given, receives
     the records left out in the same form (weight 0; cluster -1 for records with no response token), always
-    as JSONL. `sources` (the analysis, the config, the data) go into the manifest as they are.
+    as JSONL. `sources` (the analysis, the config, the data) go into the manifest as they are. `scores` (an analysis
+    made with target examples): each record also gains `target_score` (its largest cosine similarity to a target
+    example) and `target_group` (that example's target).
     """
     if export_format not in EXPORT_FORMATS:
         raise ValueError(f"export format {export_format!r}: expected one of {', '.join(EXPORT_FORMATS)}")
@@ -48,16 +71,20 @@ def export_subset(plan: Plan, records: Sequence[Mapping[str, Any]], out: Union[s
                          "export the data the analysis was computed on")
     kept = np.zeros(plan.num_samples, dtype=bool)
     kept[plan.selected] = True
-    kept_rows = [_with_fields(records[i], i, int(plan.labels[i]), float(plan.weights[i]))
-                 for i in np.flatnonzero(kept)]
+    def row(index: int, weight: float) -> dict[str, Any]:
+        added = {CLUSTER_FIELD: int(plan.labels[index]), WEIGHT_FIELD: weight}
+        if scores is not None:
+            added.update({SCORE_FIELD: float(scores.score[index]), TARGET_FIELD: scores.target[index]})
+        return _with_fields(records[index], index, added)
+
+    kept_rows = [row(i, float(plan.weights[i])) for i in np.flatnonzero(kept)]
     out = Path(out)
     if export_format == "jsonl":
         write_jsonl_atomic(out, kept_rows)
     else:
         _save_dataset(kept_rows, out)
     if excluded is not None:
-        write_jsonl_atomic(excluded, [_with_fields(records[i], i, int(plan.labels[i]), 0.0)
-                                      for i in np.flatnonzero(~kept)])
+        write_jsonl_atomic(excluded, [row(i, 0.0) for i in np.flatnonzero(~kept)])
     summary = plan.summary()
     manifest = {
         "format": export_format,
@@ -71,7 +98,9 @@ def export_subset(plan: Plan, records: Sequence[Mapping[str, Any]], out: Union[s
         "clusters": [{"cluster": c, "size": int(plan.cluster_sizes[c]), "kept": int(plan.kept_sizes[c])}
                      for c in range(plan.num_clusters)],
         "fields_added": {CLUSTER_FIELD: "the record's k-means cluster (-1: no response token, never kept)",
-                         WEIGHT_FIELD: "the record's loss weight (0 where not kept)"},
+                         WEIGHT_FIELD: "the record's loss weight (0 where not kept)",
+                         **({SCORE_FIELD: "the record's largest cosine similarity to a target example",
+                             TARGET_FIELD: "the target of that example"} if scores is not None else {})},
         "settings": plan.settings,
         "batch_shape": {key: summary[key] for key in ("world_size", "micro_batch_size",
                                                       "gradient_accumulation_steps")},
@@ -83,12 +112,12 @@ def export_subset(plan: Plan, records: Sequence[Mapping[str, Any]], out: Union[s
     return manifest
 
 
-def _with_fields(record: Mapping[str, Any], index: int, cluster: int, weight: float) -> dict[str, Any]:
-    clashing = [name for name in (CLUSTER_FIELD, WEIGHT_FIELD) if name in record]
+def _with_fields(record: Mapping[str, Any], index: int, added: Mapping[str, Any]) -> dict[str, Any]:
+    clashing = [name for name in added if name in record]
     if clashing:
         raise ValueError(f"record {index} already has a field named {clashing[0]!r}: the export adds "
-                         f"{CLUSTER_FIELD!r} and {WEIGHT_FIELD!r}; rename that field in the data first")
-    return {**record, CLUSTER_FIELD: cluster, WEIGHT_FIELD: weight}
+                         f"{', '.join(repr(name) for name in added)}; rename that field in the data first")
+    return {**record, **added}
 
 
 def _save_dataset(rows: list[dict[str, Any]], out: Path) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass
 import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -15,6 +16,7 @@ from ds_cluster.planning.plan import Plan
 from ds_cluster.report.clusters import ClusterDescription, describe_clusters
 from ds_cluster.report.plots import (plot_category_heatmap, plot_cluster_sizes, plot_projection, plot_rank_step_heatmap,
                                      plot_schedule, plot_weights)
+from ds_cluster.report.target import cluster_affinities
 from ds_cluster.report.summary import (cluster_category_counts, cluster_counts_per_rank_step, pca_projection,
                                        layout_coverage)
 
@@ -140,6 +142,30 @@ def _clusters_section(descriptions: Sequence[ClusterDescription], text_left_out:
     return parts + ["\n".join(rows)]
 
 
+def _target_section(plan: Plan, features: Optional[np.ndarray], target: Any, include_text: bool) -> list[str]:
+    counts = ", ".join(f"{name} {count}" for name, count in target.counts().items())
+    parts = ["<h2>Target</h2>",
+             f"<p>{len(target.groups)} target examples ({html.escape(counts)}), fingerprint "
+             f"{html.escape(target.fingerprint)}, read from {html.escape(str(target.source or 'records in memory'))}."
+             " Per cluster: the target examples nearest its centre, the mean similarity of its records to the target "
+             "(each record's largest cosine to a target example), and what the plan kept of it.</p>"]
+    if features is None:
+        return parts + ['<p class="note">No features in the analysis: no affinity to the target.</p>']
+    header = ["cluster", "target examples nearest", "targets served", "mean similarity", "kept",
+              "kept: mean similarity"] + (["examples it serves"] if include_text else [])
+    rows = ["<table>", "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>"]
+    for row in cluster_affinities(plan, features, target):
+        served = ", ".join(f"{name} {count}" for name, count in row.served)
+        cells = [str(row.cluster), str(row.nearest_examples), html.escape(served), f"{row.mean_similarity:.3f}",
+                 str(row.kept), "" if np.isnan(row.kept_mean_similarity) else f"{row.kept_mean_similarity:.3f}"]
+        line = "".join(f"<td>{cell}</td>" for cell in cells)
+        if include_text:
+            line += ('<td class="text"><ol>' + "".join(f"<li>{html.escape(prompt[:160])}</li>" for prompt in
+                                                        row.prompts) + "</ol></td>")
+        rows.append(f"<tr>{line}</tr>")
+    return parts + ["\n".join(rows + ["</table>"])]
+
+
 def _schedule_section(plan: Plan, lines: Sequence[dict], out: Path) -> list[str]:
     last = lines[-1]
     stopped = ", ".join(str(c) for c in last["stopped"]) or "none"
@@ -171,31 +197,38 @@ def _schedule_row(plan: Plan, lines: Sequence[dict], cluster: int) -> tuple:
             "" if last["train_loss"][cluster] is None else f"{last['train_loss'][cluster]:.4f}")
 
 
-def write_report(
-    out_dir: Union[str, Path],
-    plan: Plan,
-    *,
-    features: Optional[np.ndarray] = None,
-    categories: Optional[Sequence[str]] = None,
-    prompts: Optional[Sequence[str]] = None,
-    include_text: bool = True,
-    schedule_lines: Optional[Sequence[dict]] = None,
-    title: str = "ds_cluster plan report",
-    sources: Optional[dict[str, str]] = None,
-    max_projection_points: int = 4000,
-    records_note: Optional[str] = None,
-) -> Path:
-    """Write `out_dir/index.html` and its PNG plots for a plan; returns the HTML's path.
+@dataclass(frozen=True)
+class ReportInputs:
+    """What a report shows beside the plan, each optional.
 
-    features: the analysis's (N, d) features, for the 2-D projection (skipped when None);
-    categories: a category per sample (N; a task family, say), for the cluster-versus-category table
-    (skipped when None); prompts: the prompt text of every sample (N), for what each cluster holds (its
-    distinguishing words and the prompts nearest its centre); include_text=False leaves every record's text out
-    of the page (for data that must not be copied into a report); schedule_lines: an adaptive run's schedule
-    log (one dict per window), for its shares and per-cluster loss over the steps; sources: name -> value lines
-    shown at the top (config, analysis...); records_note: why there are no records (prompts, categories), shown
-    where they would be.
+    features: the analysis's (N, d) features, for the 2-D projection; categories: a category per sample (N; a
+    task family, say), for the cluster-versus-category table; prompts: the prompt text of every sample (N), for
+    what each cluster holds (its distinguishing words and the prompts nearest its centre); include_text=False
+    leaves every record's text out of the page (for data that must not be copied into a report); schedule_lines:
+    an adaptive run's schedule log (one dict per window), for its shares and per-cluster loss over the steps;
+    sources: name -> value lines shown at the top (config, analysis...); records_note: why there are no records
+    (prompts, categories), shown where they would be; target: the analysis's target examples (`AnalysisDir.
+    load_target()`), for each cluster's affinity to them (with the features).
     """
+
+    features: Optional[np.ndarray] = None
+    categories: Optional[Sequence[str]] = None
+    prompts: Optional[Sequence[str]] = None
+    include_text: bool = True
+    schedule_lines: Optional[Sequence[dict]] = None
+    title: str = "ds_cluster plan report"
+    sources: Optional[dict[str, str]] = None
+    max_projection_points: int = 4000
+    records_note: Optional[str] = None
+    target: Any = None
+
+
+def write_report(out_dir: Union[str, Path], plan: Plan, inputs: Optional[ReportInputs] = None) -> Path:
+    """Write `out_dir/index.html` and its PNG plots for a plan and what else it is given; returns the HTML's path."""
+    shown = inputs or ReportInputs()
+    features, categories, prompts = shown.features, shown.categories, shown.prompts
+    include_text, schedule_lines, title = shown.include_text, shown.schedule_lines, shown.title
+    sources, max_projection_points, records_note = shown.sources, shown.max_projection_points, shown.records_note
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     parts = [f"<h1>{html.escape(title)}</h1>"]
@@ -204,6 +237,8 @@ def write_report(
     parts += _plan_section(plan, out)
     descriptions = describe_clusters(plan, prompts=prompts if include_text else None, categories=categories)
     parts += _clusters_section(descriptions, text_left_out=not include_text, records_note=records_note)
+    if shown.target is not None:
+        parts += _target_section(plan, features, shown.target, include_text)
     if schedule_lines:
         parts += _schedule_section(plan, schedule_lines, out)
     parts.append("<h2>Layout: samples of each cluster per rank and step (epoch 0)</h2>")

@@ -88,9 +88,9 @@ def format_run_summary(summary: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- plan coverage
 def cluster_counts_per_rank_step(plan: Plan, epoch: int = 0) -> np.ndarray:
     """How many samples of each cluster every rank trains in every optimizer step: int64 (steps, world, K)."""
-    schedule = plan.schedule(epoch)
-    steps, world = schedule.shape[:2]
-    labels = plan.labels[schedule.reshape(steps, world, -1)]
+    layout = plan.epoch_layout(epoch)
+    steps, world = layout.shape[:2]
+    labels = plan.labels[layout.reshape(steps, world, -1)]
     # One bincount over (step, rank, cluster) cells instead of a Python loop over steps and ranks.
     cells = (np.arange(steps)[:, None, None] * world + np.arange(world)[None, :, None]) * plan.num_clusters + labels
     counts = np.bincount(cells.ravel(), minlength=steps * world * plan.num_clusters)

@@ -69,7 +69,8 @@ def write_configs(root: Path, analysis: Path) -> dict[str, dict[str, Any]]:
         json_path = root / f"{kind}.json"
         json_path.write_text(json.dumps(config))
         hjson_path = root / f"{kind}.hjson"
-        extra = "" if kind == "absent" else "data_efficiency: " + json.dumps(block_of(kind, analysis)["data_efficiency"])
+        extra = ("" if kind == "absent"
+                 else "data_efficiency: " + json.dumps(block_of(kind, analysis)["data_efficiency"]))
         hjson_path.write_text(HJSON % extra)
         forms[kind] = {"dict": config, "json": str(json_path), "hjson": str(hjson_path)}
     return forms

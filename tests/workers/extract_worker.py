@@ -36,6 +36,7 @@ def main() -> None:
 
     from ds_cluster.distributed import collectives, get_rank, init_distributed, shutdown
     from ds_cluster.features.extract import model_fingerprint, run_extraction
+    from ds_cluster.features.kinds import feature_kind
     from tests.workers.feature_fixtures import tiny_llama, tiny_lora_llama, token_dataset
 
     init_distributed()
@@ -58,7 +59,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     for kind in args.kinds.split(","):
-        result = run_extraction(engine, dataset, kind=kind, dim=args.dim if kind != "proxy" else None,
+        result = run_extraction(engine, dataset, kind=kind, dim=args.dim if feature_kind(kind).projected else None,
                                 batch_size=args.batch_size, shard_size=args.shard_size, seed=3,
                                 store=Path(args.store) / kind if args.store else None, show_progress=rank == 0,
                                 on_shard_done=crash_after_k_shards, collectives=collectives())

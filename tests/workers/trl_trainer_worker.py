@@ -67,8 +67,10 @@ def main() -> None:
     if train_traced(trainer, out, args.resume) == 0:
         (out / "run.json").write_text(json.dumps({
             "num_rows": len(trainer.train_dataset), "plan": trainer.plan.summary(),
-            "labels": trainer.plan.labels.tolist(), "cluster_sizes": trainer.plan.cluster_sizes.tolist(), "settings": trainer.plan.settings,
-            "analysis_timings": trainer.cluster_loader.analysis_timings, "log_history": trainer.state.log_history,
+            "labels": trainer.plan.labels.tolist(), "cluster_sizes": trainer.plan.cluster_sizes.tolist(),
+            "settings": trainer.plan.settings,
+            "analysis_timings": (trainer.cluster_loader.analysis.to_json() if trainer.cluster_loader.analysis
+                                 else {}), "log_history": trainer.state.log_history,
             "model_class": type(trainer.model).__name__,
             "trainable": [name for name, param in trainer.model.named_parameters() if param.requires_grad]}))
     del trainer
