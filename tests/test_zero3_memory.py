@@ -25,7 +25,7 @@ def jobs(tmp_path_factory):
     work = tmp_path_factory.mktemp("zero3_memory")
     tokenizer, records = zero3_memory.prepare(work)
     base = {"tokenizer": str(tokenizer), "records": str(records), "mode": "block", "train": "lora", "zero": "zero3",
-            "features_only": True}
+            "features_only": True, "window": zero3_memory.WINDOW}
     return {model: zero3_memory.launch({**base, "name": model, "model": model, "out": str(work / model)}, timeout=900)
             for model in ("tiny", "smollm2-135m")}
 
