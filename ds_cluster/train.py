@@ -33,6 +33,7 @@ from ds_cluster.data.models import load_model_and_tokenizer, with_lora
 from ds_cluster.ds_config import BLOCK_PATH, read_ds_config
 from ds_cluster.fileio import write_json_atomic
 from ds_cluster.integrations.loop import LoopHooks, LoopResult, MicroStep, train_loop
+from ds_cluster.integrations.saving import save_gathered_model
 from ds_cluster.loader.lr_schedules import LateLRSchedule
 from ds_cluster.loader.sampler import ClusterDataLoader, cluster_loader
 
@@ -97,31 +98,17 @@ def parameter_digest(engine) -> str:
     import deepspeed
 
     digest = hashlib.sha256()
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=engine.zero_optimization_stage() == 3):
-        for param in params:
+    for param in engine.module.parameters():  # one at a time: no rank holds the whole model
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None,
+                                               enabled=engine.zero_optimization_stage() == 3):
             digest.update(param.detach().float().cpu().numpy().round(5).tobytes())
     return digest.hexdigest()[:16]
 
 
 def save_hf_model(engine, tokenizer, folder: Path, rank: int) -> None:
-    """Write the trained weights as a Hugging Face model folder (rank 0), gathering ZeRO-3 shards first.
-
-    Collective under ZeRO-3: every rank takes part in the gather.
-    """
-    import deepspeed
-
-    module = engine.module
-    state = None
-    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None,
-                                           enabled=engine.zero_optimization_stage() == 3):
-        if rank == 0:
-            # Copied inside the gather: outside it ZeRO-3 parameters are empty placeholders.
-            state = {name: tensor.detach().cpu().clone() for name, tensor in module.state_dict().items()}
-    if rank == 0:
-        module.save_pretrained(folder, state_dict=state)
-        tokenizer.save_pretrained(folder)
-        logger.info("model saved to %s", folder)
+    """Write the trained weights as a Hugging Face model folder (rank 0), gathering ZeRO-3 shards one parameter at a
+    time (`integrations.saving`: no rank holds the whole model). Collective under ZeRO-3."""
+    save_gathered_model(engine.module, tokenizer, folder, rank)
 
 
 def output_dir_problem(output: Path) -> Optional[str]:

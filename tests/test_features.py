@@ -220,3 +220,23 @@ def test_fingerprints_follow_weights_and_tokens(model, dataset):
     changed = [dict(sample) for sample in dataset]
     changed[3] = dict(changed[3], labels=torch.full_like(changed[3]["labels"], -100))
     assert dataset_fingerprint(changed) != dataset_fingerprint(dataset)
+
+
+def test_the_output_matrix_read_a_block_of_rows_at_a_time_gives_the_whole_matrix_figures():
+    from ds_cluster.features.output_matrix import OutputMatrix
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(1000, 16, generator=generator).bfloat16()
+    bias = torch.randn(1000, generator=generator).bfloat16()
+    hidden = torch.randn(5, 16, generator=generator).bfloat16()
+    blocked, whole = OutputMatrix(weight, bias, block_elements=16 * 7), OutputMatrix(weight, bias)
+    assert len(blocked.blocks) == 143 and len(whole.blocks) == 1  # 7 rows a block, the last one 6
+    reference = torch.nn.functional.linear(hidden.float(), weight.float(), bias.float())
+    torch.testing.assert_close(blocked.logits(hidden), reference, rtol=1e-6, atol=1e-5)
+    assert blocked.logits(hidden).dtype == torch.float32
+    coefficients = torch.softmax(reference, dim=-1)
+    torch.testing.assert_close(blocked.input_gradient(coefficients), coefficients @ weight.float(), rtol=1e-5,
+                               atol=1e-6)
+    # A float32 matrix is read in place: a block is a view of it, not a copy.
+    weight32 = weight.float()
+    assert OutputMatrix(weight32, block_elements=16 * 7).weight[0:7].float().data_ptr() == weight32.data_ptr()

@@ -50,7 +50,8 @@ def test_zero0_single_process_matches_zero3_two_ranks(zero3_run, tmp_path):
 def test_killed_run_resumes_only_unfinished_shards(zero3_run, tmp_path):
     store, kind = tmp_path / "store", "proxy"
     shards = store / kind / "shards"
-    # 40 samples in shards of 8: rank 0 gets shards 0, 2, 4 and rank 1 gets 1, 3; rank 1 dies after its first.
+    # 40 samples in shards of 8, batches of 4: each shard is one step of both ranks (a batch each), joined and written
+    # by rank (shard mod 2); rank 1 dies right after writing its first, shard 1.
     killed = run_mpirun([WORKER, "--zero", "3", "--kinds", kind, *LORA, "--store", str(store), "--out",
                             str(tmp_path / "killed"), "--kill-after", "1"], timeout=180)
     assert killed.returncode != 0, killed.stdout[-3000:]
@@ -68,3 +69,15 @@ def test_killed_run_resumes_only_unfinished_shards(zero3_run, tmp_path):
         assert json.loads((shards / name).read_text())["run_id"] == run_id
     np.testing.assert_allclose(resumed["features"], _load(zero3_run, kind)["features"], atol=1e-6, rtol=0)
     np.testing.assert_array_equal(resumed["empty_mask"], _load(zero3_run, kind)["empty_mask"])
+    assert resumed["samples_per_rank"].tolist() == [12, 12]  # the 24 samples left, halved
+
+
+def test_fewer_shards_than_ranks_still_split_the_pass_evenly(zero3_run, tmp_path):
+    """40 samples in one store shard (the default shard is 512 samples): both ranks compute 20, not rank 0 all."""
+    check(run_mpirun([WORKER, "--zero", "3", "--kinds", "proxy", *LORA, "--shard-size", "512", "--store",
+                      str(tmp_path / "store"), "--out", str(tmp_path / "out")], timeout=180))
+    for rank in (0, 1):
+        result = _load(tmp_path / "out", "proxy", rank)
+        assert result["samples_per_rank"].tolist() == [20, 20]
+        assert result["computed"].tolist() == [0]
+        np.testing.assert_allclose(result["features"], _load(zero3_run, "proxy")["features"], atol=1e-4, rtol=0)

@@ -112,3 +112,41 @@ def test_the_lora_kind_is_a_feature_kind_of_the_config_and_the_cli():
     assert config.stages().features.kind == "lora" and config.stages().features.dim == 512
     with pytest.raises(ValueError, match="feature_dim must be >= 1"):
         run_extraction(tiny_lora_llama(seed=0), token_dataset(2), kind="lora", dim=0, show_progress=False)
+
+
+def test_adapter_projections_are_count_sketches_that_keep_inner_products_from_bytes_per_coordinate():
+    from ds_cluster.features.projection import layer_projection
+
+    wide = layer_projection(1024, 8, 8192, seed=0, layer=3)  # lora_A of an 8192-wide MLP layer
+    assert wide.dim == 1024 and wide.out.index.numel() == 8 and wide.in_.index.numel() == 8192
+    stored = sum(t.numel() * t.element_size() for t in (wide.out.index, wide.out.sign, wide.in_.index, wide.in_.sign))
+    assert stored < 100_000  # a Gaussian pair to 1024 values would be 8192 x 1024 x 4 bytes = 32 MiB
+    # S_out^T G S_in through the sketches is the dense projection of vec(G); inner products kept in expectation.
+    generator = torch.Generator().manual_seed(0)
+    first, second = torch.randn(16, 32, generator=generator), torch.randn(16, 32, generator=generator)
+    second = 0.6 * first + 0.8 * second
+    products = []
+    for seed in range(400):
+        projection = layer_projection(64, 16, 32, seed=seed, layer=0)
+        dense = projection.dense()
+        through_sketches = projection.in_.apply(projection.out.apply(first.T).T)  # S_in^T applied to S_out^T G
+        assert torch.allclose(dense @ first.reshape(-1), through_sketches.reshape(-1), atol=1e-5)
+        products.append(float((dense @ first.reshape(-1)) @ (dense @ second.reshape(-1))))
+    exact = float(first.reshape(-1) @ second.reshape(-1))
+    assert abs(np.mean(products) - exact) < 0.1 * abs(exact), (np.mean(products), exact)
+    assert layer_projection(64, 16, 32, seed=1, layer=0).in_.index.tolist() != \
+        layer_projection(64, 16, 32, seed=1, layer=1).in_.index.tolist()  # each layer its own sketch
+
+
+def test_a_store_of_gaussian_adapter_projections_is_not_resumed_with_sketched_rows(model, dataset, tmp_path):
+    import json
+
+    first = run_extraction(model, dataset, kind="lora", dim=DIM, batch_size=2, seed=5, store=tmp_path, shard_size=4,
+                           show_progress=False)
+    assert first.manifest.adapter_projection == "sign_sketch"
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    del manifest["adapter_projection"]  # as 0.6.0 wrote it
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"adapter_projection: stored 'gaussian', requested 'sign_sketch'"):
+        run_extraction(model, dataset, kind="lora", dim=DIM, batch_size=2, seed=5, store=tmp_path, shard_size=4,
+                       show_progress=False)

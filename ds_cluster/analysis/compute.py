@@ -31,6 +31,7 @@ from ds_cluster.data.target import TargetExamples
 from ds_cluster.features.extract import ExtractionResult, run_extraction
 from ds_cluster.features.kinds import feature_kind
 from ds_cluster.features.store import DEFAULT_SHARD_SIZE
+from ds_cluster.phases import phase
 from ds_cluster.settings import ClusteringSettings, stages_of
 
 logger = logging.getLogger(__name__)
@@ -92,32 +93,34 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
     target_fingerprint = ((options.of_data.fingerprint if options.of_data is not None else None)
                           or dataset_fingerprint(target))
     dim = features.dim if feature_kind(features.kind).projected else None
-    extraction = run_extraction(engine, dataset, kind=features.kind, dim=dim, batch_size=options.batch_size,
-                                store=store_path, seed=features.seed, normalize=features.normalize,
-                                show_progress=options.show_progress, shard_size=options.shard_size,
-                                overwrite=options.recompute, sharded=features.sharded, collectives=collectives,
-                                fingerprint=target_fingerprint if target is dataset else None)
-    target_examples = (extract_target(engine, options.target, features, collectives, options.batch_size)
-                       if options.target is not None else None)
+    with phase(f"features {features.kind}"):
+        extraction = run_extraction(engine, dataset, kind=features.kind, dim=dim, batch_size=options.batch_size,
+                                    store=store_path, seed=features.seed, normalize=features.normalize,
+                                    show_progress=options.show_progress, shard_size=options.shard_size,
+                                    overwrite=options.recompute, sharded=features.sharded, collectives=collectives,
+                                    fingerprint=target_fingerprint if target is dataset else None)
+        target_examples = (extract_target(engine, options.target, features, collectives, options.batch_size)
+                           if options.target is not None else None)
     extracted = time.perf_counter()
     gc.collect()
-    clusters = _sharded_clusters(extraction, clustering, collectives) if clustering.sharded else None
-    # The training config's stage when the caller names it (a forward-only engine runs 1 and 2 as 0).
-    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
-    timings = AnalysisTimings(extract=extracted - started, extract_forward=extraction.timings.get("forward", 0.0),
-                              extract_features=extraction.timings.get("features", 0.0))
-    written = AnalysedFeatures(extraction.features, extraction.empty_mask, extraction.kind, extraction.dim,
-                               rows=extraction.rows, shards=(extraction.computed_shards, extraction.reused_shards),
-                               model_fingerprint=extraction.manifest.model_fingerprint if extraction.manifest
-                               else None, store=store_path)
-    # Rank 0 clusters and writes; the agreement is also the barrier: the folder is written when it completes.
-    collectives.run_agreed(
-        "clustering and writing the analysis",
-        lambda: write_analysis(folder, written, stages, AnalysedData(target, target_fingerprint),
-                               collectives.world_size, timings=timings,
-                               provenance={"zero_stage": stage, **options.provenance}, clusters=clusters,
-                               target=target_examples),
-        only_rank=0, errors=(ValueError, OSError, RuntimeError))
+    with phase("k-means"):  # and rank 0 writing the folder
+        clusters = _sharded_clusters(extraction, clustering, collectives) if clustering.sharded else None
+        # The training config's stage when the caller names it (a forward-only engine runs 1 and 2 as 0).
+        stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None
+        timings = AnalysisTimings(extract=extracted - started, extract_forward=extraction.timings.get("forward", 0.0),
+                                  extract_features=extraction.timings.get("features", 0.0))
+        written = AnalysedFeatures(extraction.features, extraction.empty_mask, extraction.kind, extraction.dim,
+                                   rows=extraction.rows, shards=(extraction.computed_shards, extraction.reused_shards),
+                                   model_fingerprint=extraction.manifest.model_fingerprint if extraction.manifest
+                                   else None, store=store_path)
+        # Rank 0 clusters and writes; the agreement is also the barrier: the folder is written when it completes.
+        collectives.run_agreed(
+            "clustering and writing the analysis",
+            lambda: write_analysis(folder, written, stages, AnalysedData(target, target_fingerprint),
+                                   collectives.world_size, timings=timings,
+                                   provenance={"zero_stage": stage, **options.provenance}, clusters=clusters,
+                                   target=target_examples),
+            only_rank=0, errors=(ValueError, OSError, RuntimeError))
     summary = folder.summary()
     assert summary is not None
     return AnalysisResult(folder.path, summary, AnalysisTimings.from_json(summary["timings_s"]))

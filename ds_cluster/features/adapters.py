@@ -3,10 +3,12 @@ backward per batch.
 
 Every adapter matrix (a `lora_A` or `lora_B` linear layer) maps y = W a; the gradient of sample i's loss L_i (the
 mean over its response tokens) is G_i = sum_t g_t a_t^T with g_t = dL_i/dy_t. Its projection through the layer's
-seeded pair (P_out, P_in) is sum_t outer(P_out^T g_t, P_in^T a_t), so G_i is never formed, on any rank, under any
-ZeRO stage (the LoGra factorisation, as the lm_head kind's). Every layer draws its own independent pair
-(`projection.layer_projection`), so the sum over layers is one random projection of all the adapters' gradients
-together, to `dim` values.
+seeded pair of count sketches (S_out, S_in) is sum_t outer(S_out^T g_t, S_in^T a_t), so G_i is never formed, on any
+rank, under any ZeRO stage (the LoGra factorisation, as the lm_head kind's). Every layer draws its own independent
+pair (`projection.layer_projection`), so the sum over layers is one random projection of all the adapters'
+gradients together, to `dim` values. Sketches, not the Gaussian matrices of 0.6.0 and before: they take 12 bytes a
+coordinate, where Gaussian projections of every adapter took as much memory as a 1.7B model's weights (3.3 GB on
+every rank; a store of those rows is not resumed with these, `StoreManifest.adapter_projection`).
 
 One backward of sum_i L_i gives every g_t at once (the samples of a causal LM batch do not interact). It starts at
 the output layer's input h: dL_i/dh_t = (softmax_t - onehot_t) W / |R_i| at the response positions, computed a
@@ -26,7 +28,8 @@ from typing import Optional
 import torch
 
 from ds_cluster.data.dataset import IGNORE_INDEX
-from ds_cluster.features.projection import KroneckerProjection, layer_projection
+from ds_cluster.features.output_matrix import OutputMatrix
+from ds_cluster.features.projection import SketchProjection, layer_projection
 
 ADAPTER_MATRICES = ("lora_A", "lora_B")
 
@@ -50,7 +53,7 @@ def adapter_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
 
 
 def adapter_projections(layers: list[tuple[str, torch.nn.Linear]], dim: int, seed: int
-                        ) -> list[KroneckerProjection]:
+                        ) -> list[SketchProjection]:
     """Each layer's seeded projection of its (out x in) gradient to `dim` values (ZeRO-3's full shapes)."""
     projections = []
     for index, (_, layer) in enumerate(layers):
@@ -83,10 +86,11 @@ class AdapterCapture:
         self.clear()
 
 
-def loss_gradient_at_hidden(hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
-                            bias: Optional[torch.Tensor], chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_gradient_at_hidden(hidden: torch.Tensor, labels: torch.Tensor, output: OutputMatrix, chunk_size: int
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """d(sum_i L_i)/dh (B, T, H) float32, and the response-token counts (B,): at each response position t of sample
-    i, (softmax_t - onehot_t) W / |R_i| (W the output matrix, float32), computed `chunk_size` positions at a time."""
+    i, (softmax_t - onehot_t) W / |R_i| (W the output matrix, read in float32 a block at a time), computed
+    `chunk_size` positions at a time."""
     targets = labels[:, 1:].to(hidden.device)
     response = targets != IGNORE_INDEX
     counts = response.sum(dim=1)
@@ -98,14 +102,14 @@ def loss_gradient_at_hidden(hidden: torch.Tensor, labels: torch.Tensor, weight: 
         part = slice(start, start + chunk_size)
         b, t = samples[part], positions[part]
         with torch.no_grad():
-            probs = torch.softmax(torch.nn.functional.linear(hidden[b, t].float(), weight, bias), dim=-1)
+            probs = torch.softmax(output.logits(hidden[b, t]), dim=-1)
             probs[torch.arange(probs.shape[0], device=probs.device), gold[part]] -= 1.0
-            gradient[b, t] = (probs * weights[part, None]) @ weight
+            gradient[b, t] = output.input_gradient(probs.mul_(weights[part, None]))
     return gradient, counts
 
 
 def adapter_rows(hidden: torch.Tensor, hidden_gradient: torch.Tensor, capture: AdapterCapture,
-                 projections: list[KroneckerProjection]) -> torch.Tensor:
+                 projections: list[SketchProjection]) -> torch.Tensor:
     """(B, dim) float32: the projected per-sample adapter gradients, from one backward of `hidden_gradient`
     through the graph of the last forward (which must have run with autograd on)."""
     if not hidden.requires_grad:
@@ -119,8 +123,8 @@ def adapter_rows(hidden: torch.Tensor, hidden_gradient: torch.Tensor, capture: A
         if gradient is None:  # an adapter the loss does not reach
             continue
         projection = projections[index]
-        out_factor = gradient.float() @ projection.p_out  # (B, T, d_out)
-        in_factor = capture.inputs[index].float() @ projection.p_in  # (B, T, d_in)
+        out_factor = projection.out.apply(gradient)  # (B, T, d_out)
+        in_factor = projection.in_.apply(capture.inputs[index])  # (B, T, d_in)
         rows += torch.einsum("btp,btq->bpq", out_factor, in_factor).flatten(1)
     capture.clear()
     return rows
@@ -130,7 +134,7 @@ class Adapters:
     """The lora kind's adapter layers and their projections; inside `with`, the hooks capturing the layers'
     inputs and outputs (`capture`), removed on leaving, also after an error."""
 
-    def __init__(self, layers: list[tuple[str, torch.nn.Linear]], projections: list[KroneckerProjection]) -> None:
+    def __init__(self, layers: list[tuple[str, torch.nn.Linear]], projections: list[SketchProjection]) -> None:
         self.layers = layers
         self.projections = projections
         self.capture: Optional[AdapterCapture] = None

@@ -26,12 +26,15 @@ import torch
 from ds_cluster.data.dataset import IGNORE_INDEX, dataset_fingerprint
 from ds_cluster.collectives import LOCAL, Collectives
 from ds_cluster.features.adapters import Adapters, adapter_rows, loss_gradient_at_hidden
-from ds_cluster.features.batches import _batches_of, _collate, sample_lengths
+from ds_cluster.features.batches import (Batch, Piece, _batches_of, _collate, deal_batches, join_finished,
+                                         sample_lengths, shard_completion_steps, work_per_rank)
 from ds_cluster.features.kinds import FeatureKind, feature_kind
 from ds_cluster.features.model_info import find_output_layer, model_fingerprint, output_layer_shape, unwrap_model
+from ds_cluster.features.output_matrix import OutputMatrix
 from ds_cluster.features.projection import KroneckerProjection
-from ds_cluster.features.store import (BATCHING_BY_LENGTH, BATCHING_FULL_WIDTH, DEFAULT_SHARD_SIZE, FeatureStore,
-                                      StoreManifest)
+from ds_cluster.features.store import (ADAPTER_GAUSSIAN, ADAPTER_SKETCH, BATCHING_BY_LENGTH, BATCHING_FULL_WIDTH,
+                                      DEFAULT_SHARD_SIZE, FeatureStore, StoreManifest)
+from ds_cluster.phases import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,9 @@ class ExtractionResult:
     timings: dict[str, float] = field(default_factory=dict)
     manifest: Optional[StoreManifest] = None
     rows: Optional[np.ndarray] = None  # sharded results: the global indices of `features`' rows
+    # What each rank computed in this call (the even split: batches within one of each other).
+    samples_per_rank: list[int] = field(default_factory=list)
+    batches_per_rank: list[int] = field(default_factory=list)
 
     @property
     def num_empty(self) -> int:
@@ -160,22 +166,36 @@ def _batch_rows(engine: Any, model: torch.nn.Module, layer: torch.nn.Module, cap
         timings["features"] = timings.get("features", 0.0) + time.perf_counter() - forwarded
         return rows
     with _full_weight(layer) as (weight, bias):
-        # The logits of the response positions in float32, whatever the engine's precision: the softmax of a
-        # large vocabulary is where bf16 would lose the most.
-        weight32, bias32 = weight.float(), None if bias is None else bias.float()
+        # The logits of the response positions in float32, whatever the engine's precision, never a float32 copy
+        # of the whole matrix (output_matrix.py).
+        output = OutputMatrix(weight, bias)
         if adapters is not None:
-            hidden_gradient, counts = loss_gradient_at_hidden(hidden, batch["labels"], weight32, bias32, chunk_size)
+            hidden_gradient, counts = loss_gradient_at_hidden(hidden, batch["labels"], output, chunk_size)
         else:
             def logits_at(samples: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-                return torch.nn.functional.linear(hidden[samples, positions].float(), weight32, bias32)
+                return output.logits(hidden[samples, positions])
 
             rows = batch_features(hidden, batch["labels"], logits_at, kind, projection, chunk_size)
     if adapters is not None:  # the backward runs outside the gather: ZeRO-3's own hooks gather what it needs
         with torch.enable_grad():
             rows = adapter_rows(hidden, hidden_gradient, adapters.capture, adapters.projections), counts == 0
+        del hidden, hidden_gradient
+        _release_gathered(engine)
+    # The batch's temporaries (gathers, logits, a backward) go back to the system before the next batch: glibc
+    # would keep them, and the pass's footprint would grow by what fragments.
+    release_freed_memory(collect=False)
     timings["forward"] = timings.get("forward", 0.0) + forwarded - started
     timings["features"] = timings.get("features", 0.0) + time.perf_counter() - forwarded
     return rows
+
+
+def _release_gathered(engine: Any) -> None:
+    """Under ZeRO-3, give back every parameter the engine still holds gathered. The lora kind's backward stops at the
+    first adapter, so the modules below it never run the post-backward hook that would release what their backward
+    gathered: without this, most of the model stays gathered after each batch, and into training."""
+    optimizer = getattr(engine, "optimizer", None)
+    if hasattr(optimizer, "empty_partition_cache"):
+        optimizer.empty_partition_cache()
 
 
 def _device_of(engine: Any, model: torch.nn.Module) -> torch.device:
@@ -211,7 +231,7 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
 
     Collective: call on every rank with the same arguments. `chunk_size` response positions share one softmax
     over the vocabulary (the bound on extra memory). `on_shard_done(shard)` is called after each shard this
-    rank finished (tests crash there). `sharded`: every rank keeps only its own store shards (s mod W).
+    rank joined and wrote (tests crash there). `sharded`: every rank keeps only its own store shards (s mod W).
     `collectives`: this rank among the ranks sharing the work (`LOCAL`, or `distributed.collectives()`).
     `fingerprint`: the dataset's, when the caller has it. `pad_to_longest`: batches of similar length padded
     to their longest row (default); False: full width in index order (before 0.4.0, for measuring).
@@ -225,14 +245,14 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
     dim = kind_object.resolve_dim(dim, vocab, hidden)
     projection = kind_object.projection(dim, vocab, hidden, seed)
     projection = projection.to(_device_of(engine, model)) if projection is not None else None
-    adapters = (Adapters.of(model, dim, seed, _device_of(engine, model)) if kind_object.adapter_gradients
-                else None)
+    adapters = Adapters.of(model, dim, seed, _device_of(engine, model)) if kind_object.adapter_gradients else None
     feature_store = FeatureStore(store) if isinstance(store, (str, Path)) else store
     fingerprint = (fingerprint or dataset_fingerprint(dataset)) if feature_store else ""
     manifest = StoreManifest(kind=kind, dim=dim, seed=seed, normalize=normalize,
                              model_fingerprint=model_fingerprint(engine, collectives) if feature_store else "",
                              dataset_fingerprint=fingerprint, num_samples=len(dataset), shard_size=shard_size,
-                             batching=BATCHING_BY_LENGTH if pad_to_longest else BATCHING_FULL_WIDTH)
+                             batching=BATCHING_BY_LENGTH if pad_to_longest else BATCHING_FULL_WIDTH,
+                             adapter_projection=ADAPTER_SKETCH if kind_object.adapter_gradients else ADAPTER_GAUSSIAN)
     pending = (_prepare_store(feature_store, manifest, overwrite, collectives) if feature_store is not None
                else list(range(manifest.num_shards)))
     timings: dict[str, float] = {}
@@ -243,14 +263,13 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
         return (normalize_rows(rows) if normalize else rows), empty
 
     with adapters if adapters is not None else contextlib.nullcontext():  # the adapters' hooks, for this pass
-        computed = _compute_shards(model, layer, dataset, manifest, pending, batch_size, rows_of, feature_store,
-                                   show_progress, on_shard_done, collectives, pad_to_longest)
-    rows = None
+        computed, shares = _compute_shards(model, layer, dataset, manifest, pending, batch_size, rows_of,
+                                           feature_store, show_progress, on_shard_done, collectives, pad_to_longest)
     if sharded:
         collectives.barrier()  # every rank has written its shards
         features, rows, empty_mask = _own_shards(manifest, feature_store, collectives)
     else:
-        features, empty_mask = _assemble(manifest, feature_store, computed, collectives)
+        (features, empty_mask), rows = _assemble(manifest, feature_store, computed, collectives), None
     if empty_mask.any():
         logger.warning("%d of %d samples have no response tokens (all labels -100): their feature rows are zero",
                        int(empty_mask.sum()), len(dataset))
@@ -259,7 +278,8 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
                             computed_shards=computed_shards,
                             reused_shards=sorted(set(range(manifest.num_shards)) - set(pending)),
                             seconds=time.perf_counter() - started, timings=timings,
-                            manifest=manifest if feature_store is not None else None, rows=rows)
+                            manifest=manifest if feature_store is not None else None, rows=rows,
+                            **work_per_rank(shares))
 
 
 def _check_arguments(dataset: Sequence[dict], batch_size: int, shard_size: int, sharded: bool, store: Any) -> None:
@@ -290,20 +310,25 @@ def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Seq
                     manifest: StoreManifest, pending: list[int], batch_size: int, rows_of: Callable,
                     feature_store: Optional[FeatureStore], show_progress: bool,
                     on_shard_done: Optional[Callable[[int], None]], collectives: Collectives, trim: bool
-                    ) -> dict[int, tuple[np.ndarray, list[int]]]:
-    """This rank's share of the pending shards, written to the store as each one completes. Long because the
-    lockstep loop, the per-shard bookkeeping and the store writes are one sequence."""
+                    ) -> tuple[dict[int, tuple[np.ndarray, list[int]]], list[list[Batch]]]:
+    """This rank's share of the pending shards' batches; each shard, once its batches are done on every rank,
+    joined and written to the store by one rank (shard mod W). Returns the shards this rank joined and every
+    rank's share. Long because the lockstep loop and the per-shard bookkeeping are one sequence."""
     rank, world_size = collectives.rank, collectives.world_size
     run_id = collectives.gather(uuid.uuid4().hex)[0]
-    # Shards are dealt round-robin; every rank runs as many forwards as the busiest one.
+    # The batches of every pending shard, dealt evenly over the ranks (whatever the number of samples and
+    # shards); every rank runs as many forwards as the busiest one, which has at most one batch more.
     lengths = sample_lengths(dataset) if trim else None
-    shares = [_batches_of(pending[r::world_size], manifest.shard_bounds, batch_size, lengths)
-              for r in range(world_size)]
+    shares = deal_batches(_batches_of(pending, manifest.shard_bounds, batch_size, lengths), world_size)
     mine = shares[rank]
-    batches_left = {shard: sum(1 for s, _ in mine if s == shard) for shard, _ in mine}
+    completing = shard_completion_steps(shares)
+    first_step = {}  # shard -> the first step any rank spends on it
+    for share in shares:
+        for step, (shard, _) in enumerate(share):
+            first_step[shard] = min(step, first_step.get(shard, step))
     dummy = _collate(dataset, [0], trim)
     computed: dict[int, tuple[np.ndarray, list[int]]] = {}
-    partial: dict[int, list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]] = {}
+    pieces: dict[int, list[Piece]] = {}  # this rank's rows of the shards not finished yet
     shard_started: dict[int, float] = {}
     progress = _progress_bar(sum(len(indices) for _, indices in mine), show_progress and rank == 0,
                              manifest.kind)
@@ -313,28 +338,29 @@ def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Seq
     try:
         with torch.no_grad():
             for step in range(max(len(share) for share in shares)):
+                now = time.perf_counter()
+                shard_started.update({shard: now for shard, first in first_step.items() if first == step})
                 if step >= len(mine):
                     rows_of(dummy, capture)  # lockstep only; result discarded
-                    continue
-                shard, indices = mine[step]
-                shard_started.setdefault(shard, time.perf_counter())
-                rows, empty = rows_of(_collate(dataset, indices, trim), capture)
-                partial.setdefault(shard, []).append((indices, rows.cpu(), empty.cpu()))
-                progress.update(len(indices))
-                batches_left[shard] -= 1
-                if batches_left[shard] == 0:
-                    rows_np, empty_idx = _join(partial.pop(shard))
-                    if feature_store is not None:
-                        feature_store.write_shard(manifest, shard, rows_np, empty_idx, rank, run_id,
-                                                  time.perf_counter() - shard_started[shard])
-                    computed[shard] = (rows_np, empty_idx)
-                    if on_shard_done is not None:
-                        on_shard_done(shard)
+                else:
+                    shard, indices = mine[step]
+                    rows, empty = rows_of(_collate(dataset, indices, trim), capture)
+                    pieces.setdefault(shard, []).append((indices, rows.cpu().numpy(), empty.cpu().numpy()))
+                    progress.update(len(indices))
+                if step in completing:
+                    joined = join_finished(completing[step], pieces, collectives)
+                    for shard, (rows_np, empty_idx) in joined.items():
+                        if feature_store is not None:
+                            feature_store.write_shard(manifest, shard, rows_np, empty_idx, rank, run_id,
+                                                      time.perf_counter() - shard_started[shard])
+                        computed[shard] = (rows_np, empty_idx)
+                        if on_shard_done is not None:
+                            on_shard_done(shard)
     finally:
         capture.close()
         model.train(was_training)
         progress.close()
-    return computed
+    return computed, shares
 
 
 def _assemble(manifest: StoreManifest, feature_store: Optional[FeatureStore],
@@ -361,15 +387,6 @@ def extract_features(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Op
     """Per-sample features (N, d) float32, identical on every rank; see run_extraction for the options."""
     return run_extraction(engine, dataset, kind=kind, dim=dim, batch_size=batch_size, store=store, seed=seed,
                           normalize=normalize, show_progress=show_progress, **options).features
-
-
-def _join(parts: list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]) -> tuple[np.ndarray, list[int]]:
-    """A shard's rows in index order from its batches (which come in order of length), and its empty samples."""
-    indices = np.concatenate([part[0] for part in parts])
-    rows = torch.cat([part[1] for part in parts]).numpy().astype(np.float32, copy=False)[np.argsort(indices)]
-    empty = sorted(int(index) for indices_, _, flags in parts for index, flag in zip(indices_, flags.tolist())
-                   if flag)
-    return rows, empty
 
 
 def _progress_bar(total: int, enabled: bool, kind: str) -> Any:

@@ -14,6 +14,7 @@ _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype",
                          "_attn_implementation_autoset", "_commit_hash", "use_cache", "output_hidden_states",
                          "return_dict", "architectures"}
 _CHECKSUM_MODULUS = (1 << 61) - 1
+_CHECKSUM_CHUNK = 1 << 22  # values summed at a time
 
 
 # --------------------------------------------------------------------------- model access
@@ -64,9 +65,13 @@ def _parameter_checksum(param: torch.Tensor) -> int:
         values = partition.detach().reshape(-1)[:valid]
     else:
         values = param.detach().reshape(-1)
-    values = values.cpu().contiguous()
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[values.element_size()]
-    return int(values.view(bits).to(torch.int64).sum().item()) % _CHECKSUM_MODULUS
+    values = values.contiguous().view(bits)
+    # A chunk at a time, where the values are: an int64 copy of a whole partition would be 4 times a bf16 one.
+    total = 0
+    for start in range(0, values.numel(), _CHECKSUM_CHUNK):
+        total += int(values[start:start + _CHECKSUM_CHUNK].to(torch.int64).sum().item())
+    return total % _CHECKSUM_MODULUS
 
 
 def model_fingerprint(engine: Any, collectives: Collectives = LOCAL) -> str:

@@ -35,6 +35,10 @@ DEFAULT_SHARD_SIZE = 512
 # index order at the dataset's full width (before; a store without the field). Rows differ in the last bits.
 BATCHING_BY_LENGTH = "by_length_padded_to_longest"
 BATCHING_FULL_WIDTH = "full_width"
+# How the lora kind projects each adapter's gradient: count sketches (after 0.6.0), or Gaussian matrices (0.6.0 and
+# before; a store without the field, and every store of the other kinds, which have no adapters).
+ADAPTER_SKETCH = "sign_sketch"
+ADAPTER_GAUSSIAN = "gaussian"
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class StoreManifest:
     num_samples: int
     shard_size: int
     batching: str = BATCHING_FULL_WIDTH
+    adapter_projection: str = ADAPTER_GAUSSIAN
     format_version: int = STORE_FORMAT_VERSION
 
     @property

@@ -48,6 +48,7 @@ from ds_cluster.analysis.folder import InJobAnalysis
 from ds_cluster.loader.items import batch_reader
 from ds_cluster.loader.sampler import ClusterDataLoader
 from ds_cluster.loader.schedule import Schedule, StaticSchedule
+from ds_cluster.phases import phase
 from ds_cluster.planning.budget import budget_total
 from ds_cluster.planning.plan import Plan, build_plan
 from ds_cluster.planning.targeted import check_budget_covers_targets
@@ -207,19 +208,20 @@ class ClusterSetup:
             inputs, in_job = self.analyze_in_job(adapter)
         elif self.target is not None and self.analysis.target_fingerprint() != self.target.fingerprint:
             self.retarget_in_job(adapter)  # a changed target set makes a new selection, never a stale one
-        plan = self.agreed_plan(adapter.shape, inputs)
-        dataset = self.training_data if adapter.loader_dataset is None else adapter.loader_dataset
-        rank = adapter.data_parallel.rank
-        schedule: Schedule = StaticSchedule(plan, rank)
-        if self.stages.schedule.adaptive:
-            probe = None
-            if adapter.probe_losses is not None:
-                read, losses_of = batch_reader(dataset, adapter.collate_fn), adapter.probe_losses
-                probe = lambda indices: losses_of(read(indices))  # noqa: E731
-            schedule = AdaptiveSchedule(plan, rank, self.stages.schedule, collectives=adapter.data_parallel,
-                                        probe_losses=probe)
-        return ClusterDataLoader(dataset, plan, rank, schedule=schedule, loss=self.stages.loss,
-                                 collectives=adapter.data_parallel, collate_fn=adapter.collate_fn, analysis=in_job)
+        with phase("plan"):  # and the loader
+            plan = self.agreed_plan(adapter.shape, inputs)
+            dataset = self.training_data if adapter.loader_dataset is None else adapter.loader_dataset
+            rank = adapter.data_parallel.rank
+            schedule: Schedule = StaticSchedule(plan, rank)
+            if self.stages.schedule.adaptive:
+                probe = None
+                if adapter.probe_losses is not None:
+                    read, losses_of = batch_reader(dataset, adapter.collate_fn), adapter.probe_losses
+                    probe = lambda indices: losses_of(read(indices))  # noqa: E731
+                schedule = AdaptiveSchedule(plan, rank, self.stages.schedule, collectives=adapter.data_parallel,
+                                            probe_losses=probe)
+            return ClusterDataLoader(dataset, plan, rank, schedule=schedule, loss=self.stages.loss,
+                                     collectives=adapter.data_parallel, collate_fn=adapter.collate_fn, analysis=in_job)
 
     def analyze_in_job(self, adapter: TrainerAdapter) -> tuple[PlanInputs, InJobAnalysis]:
         """Collective: selection in the training job itself, features by the job's engine, k-means, the folder.

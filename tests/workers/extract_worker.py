@@ -1,6 +1,6 @@
 """Extract features from a tiny Llama through a real DeepSpeed engine; started by tests/test_features_distributed.py.
 
-Writes OUT/<kind>.rank<R>.npz (features, empty mask, shards computed/reused)
+Writes OUT/<kind>.rank<R>.npz (features, empty mask, shards computed/reused, samples each rank computed)
 and OUT/fingerprint.rank<R>.txt. With --kill-after K, rank 1 SIGKILLs itself
 after finishing K shards (a deterministic crash halfway through).
 """
@@ -65,7 +65,8 @@ def main() -> None:
                                 on_shard_done=crash_after_k_shards, collectives=collectives())
         np.savez(out / f"{kind}.rank{rank}.npz", features=result.features, empty_mask=result.empty_mask,
                  computed=np.array(result.computed_shards, dtype=np.int64),
-                 reused=np.array(result.reused_shards, dtype=np.int64))
+                 reused=np.array(result.reused_shards, dtype=np.int64),
+                 samples_per_rank=np.array(result.samples_per_rank, dtype=np.int64))
     del engine
     shutdown()
 

