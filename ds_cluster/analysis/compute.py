@@ -28,8 +28,7 @@ from ds_cluster.clustering.kmeans import ClusterResult, category_counts, cluster
 from ds_cluster.collectives import LOCAL, Collectives
 from ds_cluster.data.dataset import dataset_fingerprint, records_source
 from ds_cluster.data.target import TargetExamples
-from ds_cluster.features.extract import ExtractionResult, run_extraction
-from ds_cluster.features.kinds import feature_kind
+from ds_cluster.features.extract import ExtractionOptions, ExtractionResult, extract
 from ds_cluster.features.store import DEFAULT_SHARD_SIZE
 from ds_cluster.phases import phase
 from ds_cluster.settings import ClusteringSettings, stages_of
@@ -92,13 +91,13 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
     target = options.of_data.records if options.of_data is not None else dataset
     target_fingerprint = ((options.of_data.fingerprint if options.of_data is not None else None)
                           or dataset_fingerprint(target))
-    dim = features.dim if feature_kind(features.kind).projected else None
     with phase(f"features {features.kind}"):
-        extraction = run_extraction(engine, dataset, kind=features.kind, dim=dim, batch_size=options.batch_size,
-                                    store=store_path, seed=features.seed, normalize=features.normalize,
-                                    show_progress=options.show_progress, shard_size=options.shard_size,
-                                    overwrite=options.recompute, sharded=features.sharded, collectives=collectives,
-                                    fingerprint=target_fingerprint if target is dataset else None)
+        extraction = extract(engine, dataset, features,
+                             ExtractionOptions(batch_size=options.batch_size, store=store_path,
+                                               show_progress=options.show_progress, shard_size=options.shard_size,
+                                               overwrite=options.recompute,
+                                               fingerprint=target_fingerprint if target is dataset else None),
+                             collectives)
         target_examples = (extract_target(engine, options.target, features, collectives, options.batch_size)
                            if options.target is not None else None)
     extracted = time.perf_counter()

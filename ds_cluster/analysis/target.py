@@ -7,6 +7,7 @@ target set: the examples' features computed with the feature settings the analys
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any, Union
@@ -14,8 +15,7 @@ from typing import Any, Union
 from ds_cluster.analysis.folder import AnalysedTarget, AnalysisDir
 from ds_cluster.collectives import LOCAL, Collectives
 from ds_cluster.data.target import TargetExamples
-from ds_cluster.features.extract import run_extraction
-from ds_cluster.features.kinds import feature_kind
+from ds_cluster.features.extract import ExtractionOptions, extract
 from ds_cluster.features.model_info import model_fingerprint
 from ds_cluster.settings import FeatureSettings, stages_of
 
@@ -29,10 +29,9 @@ def extract_target(engine: Any, examples: TargetExamples, settings: Any, collect
     arguments; `examples.dataset` must be what the engine reads (a feature model's re-encoding:
     `TargetExamples.encoded_with(FeatureSource.encode)`)."""
     features = settings if isinstance(settings, FeatureSettings) else stages_of(settings).features
-    result = run_extraction(engine, examples.dataset, kind=features.kind,
-                            dim=features.dim if feature_kind(features.kind).projected else None,
-                            batch_size=batch_size, store=None, seed=features.seed, normalize=features.normalize,
-                            show_progress=False, collectives=collectives)
+    # The target's few rows stay in memory on every rank, whatever the pool's store does.
+    result = extract(engine, examples.dataset, dataclasses.replace(features, sharded=False),
+                     ExtractionOptions(batch_size=batch_size, show_progress=False), collectives)
     if result.empty_mask.any():  # read_target refuses examples without an answer: only a re-encoding can get here
         raise ValueError(f"target examples {result.empty_mask.nonzero()[0].tolist()} have no answer tokens as the "
                          "features read them: shorten their prompts, or raise the feature model's max length")

@@ -13,6 +13,7 @@ collectively), padding with a discarded dummy batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -33,8 +34,10 @@ from ds_cluster.features.model_info import find_output_layer, model_fingerprint,
 from ds_cluster.features.output_matrix import OutputMatrix
 from ds_cluster.features.projection import KroneckerProjection
 from ds_cluster.features.store import (ADAPTER_GAUSSIAN, ADAPTER_SKETCH, BATCHING_BY_LENGTH, BATCHING_FULL_WIDTH,
-                                      DEFAULT_SHARD_SIZE, FeatureStore, StoreManifest)
+                                      DEFAULT_SHARD_SIZE, FeatureStore, StoreManifest, assemble_rows, own_shards,
+                                      prepare_store)
 from ds_cluster.phases import release_freed_memory
+from ds_cluster.settings import FeatureSettings
 
 logger = logging.getLogger(__name__)
 
@@ -206,36 +209,55 @@ def _device_of(engine: Any, model: torch.nn.Module) -> torch.device:
 
 
 # --------------------------------------------------------------------------- the whole dataset
-def _prepare_store(store: FeatureStore, manifest: StoreManifest, overwrite: bool, ranks: Collectives) -> list[int]:
-    """Rank 0 creates or checks the store, every rank then checks it; returns the shards left to compute."""
-    ranks.run_agreed("preparing the feature store", lambda: store.prepare(manifest, overwrite=overwrite), only_rank=0)
+@dataclass(frozen=True)
+class ExtractionOptions:
+    """How one features pass runs, beside what it computes (the stage's `FeatureSettings`): `batch_size` samples a
+    forward; `store` the feature store (a folder or a FeatureStore; None keeps the rows in memory) of `shard_size`
+    samples a shard, started afresh with `overwrite`; `chunk_size` response positions share one softmax over the
+    vocabulary (the bound on extra memory); `fingerprint` the dataset's, when the caller has it; `pad_to_longest`:
+    batches of similar length padded to their longest row (default; False: full width in index order, as before
+    0.4.0, for measuring); `on_shard_done(shard)` after each shard this rank joined and wrote (tests crash there)."""
 
-    def open_store() -> list[int]:
-        store.check(manifest)
-        return sorted(set(range(manifest.num_shards)) - set(store.finished_shards(manifest)))
+    batch_size: int = 8
+    store: Union[None, str, Path, FeatureStore] = None
+    shard_size: int = DEFAULT_SHARD_SIZE
+    overwrite: bool = False
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    show_progress: bool = True
+    fingerprint: Optional[str] = None
+    pad_to_longest: bool = True
+    on_shard_done: Optional[Callable[[int], None]] = None
 
-    pending = ranks.run_agreed("opening the feature store", open_store) or []
-    ranks.check_agreement(pending,
-                          "feature-store shards left to compute (is the store on a filesystem every rank sees?)")
-    return pending
+
+def extract(engine: Any, dataset: Sequence[dict], settings: FeatureSettings,
+            options: Optional[ExtractionOptions] = None, collectives: Collectives = LOCAL) -> ExtractionResult:
+    """The features stage: every sample's feature row by `engine` (any ZeRO stage), as its frozen settings say (the
+    kind; the dimension, which applies to the projected kinds, the others having the hidden size; the projection
+    seed; normalisation; `sharded`: every rank keeps only its own store shards, s mod W, which needs a store).
+
+    Collective: call on every rank with the same arguments; `collectives` is this rank among the ranks sharing the
+    work (`LOCAL`, or `distributed.collectives()`)."""
+    if not feature_kind(settings.kind).projected:
+        settings = dataclasses.replace(settings, dim=None)
+    return _extract(engine, dataset, settings, options or ExtractionOptions(), collectives)
 
 
 def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Optional[int] = None,
-                   batch_size: int = 8, store: Union[None, str, Path, FeatureStore] = None, seed: int = 0,
-                   normalize: bool = True, show_progress: bool = True, shard_size: int = DEFAULT_SHARD_SIZE,
-                   overwrite: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE, sharded: bool = False,
-                   on_shard_done: Optional[Callable[[int], None]] = None,
-                   collectives: Collectives = LOCAL, fingerprint: Optional[str] = None,
-                   pad_to_longest: bool = True) -> ExtractionResult:
-    """extract_features with everything it found out: empty mask, shards computed and reused, timing.
+                   seed: int = 0, normalize: bool = True, sharded: bool = False,
+                   collectives: Collectives = LOCAL, **options: Any) -> ExtractionResult:
+    """`extract` with its settings and options as keywords (`ExtractionOptions`' fields), for scripts and tests;
+    a `dim` the kind cannot give (a dimension for a hidden-sized kind other than the hidden size) is an error
+    here, where the stage ignores the block's `feature_dim` for those kinds."""
+    settings = FeatureSettings(kind=kind, dim=dim, seed=seed, normalize=normalize, sharded=sharded)
+    return _extract(engine, dataset, settings, ExtractionOptions(**options), collectives)
 
-    Collective: call on every rank with the same arguments. `chunk_size` response positions share one softmax
-    over the vocabulary (the bound on extra memory). `on_shard_done(shard)` is called after each shard this
-    rank joined and wrote (tests crash there). `sharded`: every rank keeps only its own store shards (s mod W).
-    `collectives`: this rank among the ranks sharing the work (`LOCAL`, or `distributed.collectives()`).
-    `fingerprint`: the dataset's, when the caller has it. `pad_to_longest`: batches of similar length padded
-    to their longest row (default); False: full width in index order (before 0.4.0, for measuring).
-    """
+
+def _extract(engine: Any, dataset: Sequence[dict], settings: FeatureSettings, options: ExtractionOptions,
+             collectives: Collectives) -> ExtractionResult:
+    kind, dim, seed, normalize, sharded = (settings.kind, settings.dim, settings.seed, settings.normalize,
+                                           settings.sharded)
+    batch_size, store, shard_size, chunk_size = (options.batch_size, options.store, options.shard_size,
+                                                 options.chunk_size)
     kind_object = feature_kind(kind)
     _check_arguments(dataset, batch_size, shard_size, sharded, store)
     started = time.perf_counter()
@@ -247,13 +269,13 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
     projection = projection.to(_device_of(engine, model)) if projection is not None else None
     adapters = Adapters.of(model, dim, seed, _device_of(engine, model)) if kind_object.adapter_gradients else None
     feature_store = FeatureStore(store) if isinstance(store, (str, Path)) else store
-    fingerprint = (fingerprint or dataset_fingerprint(dataset)) if feature_store else ""
+    fingerprint = (options.fingerprint or dataset_fingerprint(dataset)) if feature_store else ""
     manifest = StoreManifest(kind=kind, dim=dim, seed=seed, normalize=normalize,
                              model_fingerprint=model_fingerprint(engine, collectives) if feature_store else "",
                              dataset_fingerprint=fingerprint, num_samples=len(dataset), shard_size=shard_size,
-                             batching=BATCHING_BY_LENGTH if pad_to_longest else BATCHING_FULL_WIDTH,
+                             batching=BATCHING_BY_LENGTH if options.pad_to_longest else BATCHING_FULL_WIDTH,
                              adapter_projection=ADAPTER_SKETCH if kind_object.adapter_gradients else ADAPTER_GAUSSIAN)
-    pending = (_prepare_store(feature_store, manifest, overwrite, collectives) if feature_store is not None
+    pending = (prepare_store(feature_store, manifest, options.overwrite, collectives) if feature_store is not None
                else list(range(manifest.num_shards)))
     timings: dict[str, float] = {}
 
@@ -264,12 +286,13 @@ def run_extraction(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Opti
 
     with adapters if adapters is not None else contextlib.nullcontext():  # the adapters' hooks, for this pass
         computed, shares = _compute_shards(model, layer, dataset, manifest, pending, batch_size, rows_of,
-                                           feature_store, show_progress, on_shard_done, collectives, pad_to_longest)
+                                           feature_store, options.show_progress, options.on_shard_done, collectives,
+                                           options.pad_to_longest)
     if sharded:
         collectives.barrier()  # every rank has written its shards
-        features, rows, empty_mask = _own_shards(manifest, feature_store, collectives)
+        features, rows, empty_mask = own_shards(manifest, feature_store, collectives)
     else:
-        (features, empty_mask), rows = _assemble(manifest, feature_store, computed, collectives), None
+        (features, empty_mask), rows = assemble_rows(manifest, feature_store, computed, collectives), None
     if empty_mask.any():
         logger.warning("%d of %d samples have no response tokens (all labels -100): their feature rows are zero",
                        int(empty_mask.sum()), len(dataset))
@@ -289,21 +312,6 @@ def _check_arguments(dataset: Sequence[dict], batch_size: int, shard_size: int, 
         raise ValueError("the dataset is empty: nothing to extract features from")
     if sharded and store is None:
         raise ValueError("sharded extraction keeps the rows in a feature store: pass store")
-
-
-def _own_shards(manifest: StoreManifest, store: FeatureStore, collectives: Collectives
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """This rank's shards (s mod W = rank) read back from the store, their global rows, and the whole empty mask."""
-    rank, world_size = collectives.rank, collectives.world_size
-    mine = list(range(rank, manifest.num_shards, world_size))
-    parts = [store.read_shard(manifest, shard) for shard in mine]
-    features = (np.concatenate([rows for rows, _ in parts]) if parts
-                else np.zeros((0, manifest.dim), dtype=np.float32))
-    rows = np.concatenate([np.arange(*manifest.shard_bounds(s)) for s in mine]) if mine else np.zeros(0, np.int64)
-    empty = [index for part in collectives.gather([m.empty for _, m in parts]) for markers in part for index in markers]
-    empty_mask = np.zeros(manifest.num_samples, dtype=bool)
-    empty_mask[np.asarray(empty, dtype=np.int64)] = True
-    return features, rows.astype(np.int64), empty_mask
 
 
 def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Sequence[dict],
@@ -361,24 +369,6 @@ def _compute_shards(model: torch.nn.Module, layer: torch.nn.Module, dataset: Seq
         model.train(was_training)
         progress.close()
     return computed, shares
-
-
-def _assemble(manifest: StoreManifest, feature_store: Optional[FeatureStore],
-              computed: dict[int, tuple[np.ndarray, list[int]]], collectives: Collectives
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's shards as one (N, d) array and empty mask (collective)."""
-    if feature_store is not None:
-        # Every rank wrote its shards before this gather: read them all back, validated.
-        collectives.barrier()
-        return feature_store.assemble(manifest)
-    features = np.zeros((manifest.num_samples, manifest.dim), dtype=np.float32)
-    empty_mask = np.zeros(manifest.num_samples, dtype=bool)
-    for part in collectives.gather(computed):
-        for shard, (rows_np, empty_idx) in part.items():
-            start, stop = manifest.shard_bounds(shard)
-            features[start:stop] = rows_np
-            empty_mask[empty_idx] = True
-    return features, empty_mask
 
 
 def extract_features(engine: Any, dataset: Sequence[dict], *, kind: str, dim: Optional[int] = None,

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
+from ds_cluster.collectives import Collectives
 from ds_cluster.fileio import write_json_atomic, write_npy_atomic
 
 logger = logging.getLogger(__name__)
@@ -228,3 +229,51 @@ class FeatureStore:
 def _differing_fields(a: StoreManifest, b: StoreManifest) -> list[str]:
     return [field.name for field in dataclasses.fields(StoreManifest)
             if getattr(a, field.name) != getattr(b, field.name)]
+
+
+# --------------------------------------------------------------------------- the store across ranks
+def prepare_store(store: FeatureStore, manifest: StoreManifest, overwrite: bool, ranks: Collectives) -> list[int]:
+    """Rank 0 creates or checks the store, every rank then checks it; returns the shards left to compute."""
+    ranks.run_agreed("preparing the feature store", lambda: store.prepare(manifest, overwrite=overwrite), only_rank=0)
+
+    def open_store() -> list[int]:
+        store.check(manifest)
+        return sorted(set(range(manifest.num_shards)) - set(store.finished_shards(manifest)))
+
+    pending = ranks.run_agreed("opening the feature store", open_store) or []
+    ranks.check_agreement(pending,
+                          "feature-store shards left to compute (is the store on a filesystem every rank sees?)")
+    return pending
+
+
+def own_shards(manifest: StoreManifest, store: FeatureStore, collectives: Collectives
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This rank's shards (s mod W = rank) read back from the store, their global rows, and the whole empty mask."""
+    rank, world_size = collectives.rank, collectives.world_size
+    mine = list(range(rank, manifest.num_shards, world_size))
+    parts = [store.read_shard(manifest, shard) for shard in mine]
+    features = (np.concatenate([rows for rows, _ in parts]) if parts
+                else np.zeros((0, manifest.dim), dtype=np.float32))
+    rows = np.concatenate([np.arange(*manifest.shard_bounds(s)) for s in mine]) if mine else np.zeros(0, np.int64)
+    empty = [index for part in collectives.gather([m.empty for _, m in parts]) for markers in part for index in markers]
+    empty_mask = np.zeros(manifest.num_samples, dtype=bool)
+    empty_mask[np.asarray(empty, dtype=np.int64)] = True
+    return features, rows.astype(np.int64), empty_mask
+
+
+def assemble_rows(manifest: StoreManifest, feature_store: Optional[FeatureStore],
+              computed: dict[int, tuple[np.ndarray, list[int]]], collectives: Collectives
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's shards as one (N, d) array and empty mask (collective)."""
+    if feature_store is not None:
+        # Every rank wrote its shards before this gather: read them all back, validated.
+        collectives.barrier()
+        return feature_store.assemble(manifest)
+    features = np.zeros((manifest.num_samples, manifest.dim), dtype=np.float32)
+    empty_mask = np.zeros(manifest.num_samples, dtype=bool)
+    for part in collectives.gather(computed):
+        for shard, (rows_np, empty_idx) in part.items():
+            start, stop = manifest.shard_bounds(shard)
+            features[start:stop] = rows_np
+            empty_mask[empty_idx] = True
+    return features, empty_mask
