@@ -53,21 +53,24 @@ class Collectives:
         summary = "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
         exc_type = (type(error) if error is not None and isinstance(error, (ValueError, FileNotFoundError))
                     else RuntimeError)
-        raise exc_type(f"{what} failed on ranks {sorted(failed)}: {summary}")
+        raise exc_type(f"{what} failed on ranks {sorted(failed)}: {summary}") from error
 
     def run_agreed(self, what: str, function: Callable[[], Result], *, only_rank: Optional[int] = None,
                    errors: tuple[type[BaseException], ...] = (ValueError, OSError)) -> Optional[Result]:
         """Collective: call `function` (on every rank, or on `only_rank` alone), then agree on the outcome.
 
         If it raised one of `errors` on any rank, every rank raises (`agree_on_error`); otherwise its
-        result is returned (None on the ranks that did not call it). Other exceptions propagate at once.
+        result is returned (None on the ranks that did not call it). When every rank calls it, other exceptions
+        propagate at once; when one rank alone does (`only_rank`), any exception is agreed on, since the other
+        ranks would otherwise wait for it in the next collective until the process group times out.
         """
         error: Optional[BaseException] = None
         result: Optional[Result] = None
+        agreed = errors if only_rank is None else (Exception,)
         if only_rank is None or self.rank == only_rank:
             try:
                 result = function()
-            except errors as err:
+            except agreed as err:
                 error = err
         self.agree_on_error(error, what)
         return result
