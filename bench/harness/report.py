@@ -86,7 +86,7 @@ def choice_lines(choice: Choice) -> list[str]:
 def _fixed_line(fixed: FixedChoice) -> str:
     ranked = sorted(fixed.losses.items(), key=lambda item: item[1])
     if fixed.limit is None:
-        return (f"- adaptive schedule: **{fixed.chosen}** (mean macro validation answer loss "
+        return (f"- chosen: **{fixed.chosen}** (mean macro validation answer loss "
                 f"{fixed.losses[str(fixed.chosen)]:.4f}; the candidates: "
                 + ", ".join(f"{n} {loss:.4f}" for n, loss in ranked) + ")")
     shares = fixed.shares or {}
