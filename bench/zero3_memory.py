@@ -34,9 +34,17 @@ The bounds, bytes of RSS per rank:
   the issue's literal figure: the tiny job's peak in the phase (a 2-layer Llama of width 64 with the same
   vocabulary, the same job) + one rank's shard + the largest layer + activations, the lora kind's with every
   layer's autograd graph, L x B x T x (26 H + 4 I) x 2 (L layers);
-- k-means, plan: the job without the block's peak in initialize + 5% (nothing of the model is gathered);
-- train, checkpoint, resume: the job without the block's peak in the same phase + 5% (what ds_cluster may add);
-- save (`--save-model`): its RSS when it starts + the largest layer, + on rank 0 the file it fills (at most
+- k-means, plan: the rank's RSS when the phase starts + what the same phase adds on the tiny job's same rank (rank
+  0 clusters, and its clustering libraries cost it about 0.11 GB at every model size) + 5%: nothing of the model is
+  gathered (across processes the same code's peaks differ by more than 5%: the same `load` peaked at 1.31 and
+  1.00 GiB in two 360M jobs);
+- training (the steps, checkpoint, resume, the later steps): the larger rank's peak over them, against the job
+  without the block's + 5% (what ds_cluster may add); both jobs train the same 7 steps. Per phase and per rank the
+  two are shown side by side, not bounded: a rank's RSS grows over its first steps, and between two runs of the same
+  plain 360M job one rank's first step differed by 0.53 GiB (2.10 against 2.63), so which rank and which step
+  peaks higher is the allocator's, not ds_cluster's;
+- save (`--save-model`): its RSS when it starts + the largest layer gathered (twice its bytes on gloo:
+  `GATHER_COPIES`), + on rank 0 the file it fills (at most
   `integrations.saving.SHARD_BYTES`, twice while it is serialised) and the parameter being copied in; a LoRA job
   writes its adapters only;
 - load (building the model), initialize (`deepspeed.initialize` besides the hook's own phases), and ClusterTrainer's
@@ -68,7 +76,12 @@ RECORDS, MAX_LENGTH, MICRO, ACCUM, WORLD = 48, 64, 2, 2, 2
 STEPS, PAIRS = 2, 2
 WINDOW = int(1e8)  # parameters DeepSpeed may keep gathered (module docstring)
 DEEPSPEED_FORWARD = "forward, DeepSpeed alone"
+PASSES = ("deepspeed", "proxy", "lora")  # what a job with the block runs after the hook's lm_head pass
 GIB = 1 << 30
+# A gathered parameter costs a CPU rank twice its bytes: gloo's all_gather_into_tensor fills a receive buffer of the
+# whole tensor beside the output (bench/gloo_gather_memory.py: a 100 MB gather on 2 gloo ranks grows each rank's peak
+# by 202 MB; NCCL gathers into the output).
+GATHER_COPIES = 2
 
 # LlamaConfig keyword arguments of published models (their config.json; SmolLM2's are Apache-2.0, HuggingFaceTB).
 MODELS: dict[str, dict[str, Any]] = {
@@ -170,10 +183,13 @@ def run_job(spec: dict[str, Any]) -> None:
             loader = engine.deepspeed_io(dataset, batch_size=MICRO, collate_fn=trim_padding_collate,
                                          num_local_io_workers=0)
     report: dict[str, Any] = {"rank": rank, "spec": spec, "sizes": sizes, "world_size": distributed.get_world_size()}
-    if block:
+    passes = spec.get("passes", PASSES)  # a diagnostic may leave some out, to see what a phase leaves behind
+    if block and "deepspeed" in passes:
         with memory.phase(DEEPSPEED_FORWARD):
             deepspeed_forwards(engine, dataset)
-        report["features"] = other_features(engine, dataset, memory, spec["train"] == "lora")
+    if block:
+        kinds = [kind for kind in ("proxy", "lora") if kind in passes and (kind != "lora" or spec["train"] == "lora")]
+        report["features"] = other_features(engine, dataset, memory, kinds)
     if not spec.get("features_only"):
         finish_job(spec, engine, loader, dataset, tokenizer, memory, report)
     memory.stop()
@@ -194,6 +210,13 @@ def finish_job(spec: dict[str, Any], engine: Any, loader: Any, dataset: Any, tok
     report.update(steps)
     if block:
         report["paired_steps"] = paired_steps(engine, loader, dataset, memory)
+    else:
+        # As many more steps as the paired ones, DeepSpeed's loader and loss: a rank's memory grows over its first
+        # steps, so the block's later steps are compared with the plain job's at the same count.
+        more = TrainSteps(engine, loader, dataset, False)
+        for _ in range(2 * PAIRS):
+            with memory.phase("train paired, plain"):
+                more.step()
     with memory.phase("save"):
         if block:
             from ds_cluster.train import save_hf_model
@@ -226,13 +249,13 @@ def deepspeed_forwards(engine: Any, dataset: Any, batches: int = 4) -> None:
     release_freed_memory()
 
 
-def other_features(engine: Any, dataset: Any, memory: Any, lora: bool) -> dict[str, Any]:
+def other_features(engine: Any, dataset: Any, memory: Any, kinds: list[str]) -> dict[str, Any]:
     """The kinds the hook did not compute, on its engine, each a phase; what each rank computed."""
     from ds_cluster import distributed
     from ds_cluster.features.extract import run_extraction
 
     shares = {}
-    for kind in ("proxy", "lora") if lora else ("proxy",):
+    for kind in kinds:
         with memory.phase(f"features {kind}"):
             result = run_extraction(engine, dataset, kind=kind, batch_size=MICRO, show_progress=False,
                                     collectives=distributed.collectives())
@@ -486,24 +509,43 @@ def bound(phase: str, rank: int, job: dict[str, Any], tiny: dict[str, Any], plai
         return (peaks[DEEPSPEED_FORWARD]["rss"] + sizes["largest_layer"]
                 + activation_bytes(job["spec"]["model"], phase.split(" ", 1)[1]),
                 "DeepSpeed's forward + layer + activations")
-    if phase in ("k-means", "plan") and plain is not None:
-        reference = peaks_by_phase(plain["ranks"][rank])["initialize"]["rss"]
-        return int(reference * 1.05), "initialize without the block + 5%"
+    if phase in ("k-means", "plan"):
+        # Nothing of the model is gathered: the rank's RSS when the phase starts, + what the phase adds on the tiny
+        # job's same rank (rank 0 clusters; its libraries' fixed cost), + 5%.
+        tiny_report = tiny["ranks"][rank]
+        added = max(0, peaks_by_phase(tiny_report)[phase]["rss"] - phase_start(tiny_report, phase))
+        start = phase_start(report, phase)
+        return int(start * 1.05) + added, "at its start + the tiny job's growth in it + 5%"
     if job["spec"]["mode"] == "trainer" and phase in ("train", "checkpoint", "resume", "save"):
         return None, "the HF Trainer's and DeepSpeed's"
     if phase == "save":
         # Rank 0: the file it fills (its bytes once more while safetensors serialises them) and the parameter it
         # copies in; a LoRA job writes its adapters only.
         written = 2 * min(sizes["whole"], SHARD_BYTES) + sizes["largest_layer"] if job["spec"]["train"] == "full" else 0
-        return (phase_start(report, phase) + sizes["largest_layer"] + (written if rank == 0 else 0),
-                "at its start + layer" + (" + file" if rank == 0 and written else ""))
-    if plain is not None and phase in ("train", "checkpoint", "resume"):
-        reference = peaks_by_phase(plain["ranks"][rank]).get(phase, {}).get("rss")
-        if reference:
-            return int(reference * 1.05), "without the block + 5%"
+        return (phase_start(report, phase) + GATHER_COPIES * sizes["largest_layer"] + (written if rank == 0 else 0),
+                "at its start + gathered layer" + (" + file" if rank == 0 and written else ""))
+    if plain is not None and phase in TRAINING_PHASES:
+        return None, "the training peak below"
     if phase == DEEPSPEED_FORWARD:
         return None, "DeepSpeed's (the features passes' reference)"
     return None, "transformers' and DeepSpeed's" if phase in ("load", "initialize") else ""
+
+
+TRAINING_PHASES = ("train", "checkpoint", "resume", "train paired, block", "train paired, plain")
+
+
+def training_peak(job: dict[str, Any]) -> list[int]:
+    """Each rank's peak RSS over the training phases (its steps, the checkpoint, the resume, the later steps)."""
+    return [max(entry["rss"] for phase, entry in peaks_by_phase(report).items() if phase in TRAINING_PHASES)
+            for report in job["ranks"]]
+
+
+def training_verdict(job: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
+    """What the block adds to a rank's training peak: the larger rank's peak with the block against without it (the
+    two jobs train the same number of steps); ranks are symmetric under ZeRO-3, and which of them peaks higher varies
+    from run to run of the same job, so the larger rank's peak is the figure a rank's memory is sized by."""
+    block, without = max(training_peak(job)), max(training_peak(plain))
+    return {"block": block, "plain": without, "added": block / without - 1, "within": block <= 1.05 * without}
 
 
 PHASE_ORDER = ["load", "initialize", "features lm_head", "k-means", "plan", DEEPSPEED_FORWARD, "features proxy",
@@ -562,6 +604,15 @@ def markdown(results: dict[str, Any], command: str) -> str:
             lines.append(f"| {row['phase']} | {row['rank']} | {gb(row['rss'])} | {gb(row['uss'])} | "
                          f"{gb(row['plain_rss'])} | {gb(row['issue_bound'])} | {gb(row['bound'])} | "
                          f"{row['bound_is']} | {verdict} |")
+        if plain is not None:
+            verdict = training_verdict(job, plain)
+            lines += ["", "Training peak (the steps, the checkpoint, the resume and the later steps; both jobs train "
+                          f"{STEPS + 1 + 2 * PAIRS} steps), per rank with the block "
+                          + ", ".join(gb(value) for value in training_peak(job)) + " GiB, without it "
+                          + ", ".join(gb(value) for value in training_peak(plain)) + " GiB; the larger rank "
+                          f"{gb(verdict['block'])} against {gb(verdict['plain'])} GiB: "
+                          f"{100 * verdict['added']:+.1f}% (bound +5%): "
+                          + ("within." if verdict["within"] else "**not within**.")]
         paired = job["ranks"][0].get("paired_steps")
         if paired:
             ratio = median(paired["block"]) / median(paired["plain"])
