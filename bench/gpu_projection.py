@@ -3,6 +3,7 @@ epoch, for Llama-2-7B and Llama-2-70B on 8 GPUs of 80 GB and on 2 nodes of 8, fr
 bench/zero3_memory.py measures on CPU ranks (docs/gpu.md, section 5, states the formulas and the inputs).
 
     python bench/gpu_projection.py            # prints the tables of docs/gpu.md, section 5
+    python bench/gpu_projection.py --check bench/results/zero3_memory.json   # the formulas against the CPU jobs
 
 Memory per GPU, bytes, W GPUs, P parameters in bf16 (2 bytes), a micro batch of B samples of T tokens:
 - shard S = 2 P / W;
@@ -32,8 +33,11 @@ micro-batch the time is taken as the larger of compute (B T FLOPs-per-token / (p
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
 
 GIB = 1 << 30
 
@@ -107,13 +111,59 @@ def times(model: Llama, gpus: int, batch: int, tokens: int, samples: int) -> dic
     return hours
 
 
+def check(results: dict[str, Any]) -> list[str]:
+    """The memory formulas applied to the CPU jobs of bench/zero3_memory.py, beside what each rank measured: its
+    model, 2 ranks, its micro batch and length, its window; the fixed overhead O is the tiny job's peak in the same
+    phase on the same rank (what a job costs a rank with next to no model). The CPU jobs do not checkpoint
+    activations, so training's activations are every layer's graph (Ag), not Ac."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import zero3_memory as measured
+
+    lines = ["| job | phase | rank | formula, GB | measured peak RSS, GB | measured / formula |",
+             "|---|---|---|---|---|---|"]
+    for job in results["jobs"]:
+        spec = job["spec"]
+        if spec["mode"] != "block":
+            continue
+        config = measured.MODELS[spec["model"]]
+        hidden, inner, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+        batch, tokens, world = measured.MICRO, measured.MAX_LENGTH, measured.WORLD
+        per_token = 26 * hidden + 4 * inner
+        graph = layers * batch * tokens * per_token * 2
+        logits = 3 * min(CHUNK, batch * tokens) * config["vocab_size"] * 4 + 64 * (1 << 20)
+        forward = batch * tokens * (4 * hidden + 3 * inner) * 4 + logits
+        for rank, report in enumerate(job["ranks"]):
+            sizes, peaks = report["sizes"], measured.peaks_by_phase(report)
+            tiny = measured.peaks_by_phase(results["tiny"]["ranks"][rank])
+            shard = sizes["whole"] / world
+            window = 2 * min(sizes["parameters"], results.get("window") or LIVE_PARAMETERS)
+            terms: dict[str, Optional[float]] = {
+                "features lm_head": shard + window + sizes["largest_layer"] + forward,
+                "features proxy": shard + window + sizes["largest_layer"] + forward,
+                "features lora": shard + window + sizes["largest_layer"] + forward + graph,
+                "train": (shard + window + graph) if spec["train"] == "lora" else None}
+            for phase, formula in terms.items():
+                if formula is None or phase not in peaks or phase not in tiny:
+                    continue
+                formula += tiny[phase]["rss"]
+                lines.append(f"| {spec['model']}, {spec['train']}, {spec['zero']} | {phase} | {rank} | "
+                             f"{formula / 1e9:.2f} | {peaks[phase]['rss'] / 1e9:.2f} | "
+                             f"{peaks[phase]['rss'] / formula:.2f} |")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=4, help="micro batch per GPU (the features pass's too)")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per sample")
     parser.add_argument("--samples", type=int, default=50_000)
     parser.add_argument("--dim", type=int, default=1024, help="feature_dim")
+    parser.add_argument("--check", type=Path, default=None, metavar="ZERO3_MEMORY_JSON",
+                        help="print the memory formulas against the CPU jobs of bench/zero3_memory.py instead")
     args = parser.parse_args()
+    if args.check:
+        print("\n".join(check(json.loads(args.check.read_text()))))
+        return 0
     setups = [(model, gpus) for model in MODELS for gpus in (8, 16)]
     print(f"Memory per GPU, GB (projection; micro batch {args.batch} x {args.tokens} tokens, {args.samples:,} "
           f"samples, feature_dim {args.dim}):\n")
