@@ -27,11 +27,12 @@ run without worker processes (a forked worker of a multi-GB rank keeps a copy of
 The bounds, bytes of RSS per rank:
 - features proxy and lm_head: DeepSpeed's own forward of this rank's longest batches in the same job (the shard,
   the fixed overhead, and what DeepSpeed holds gathered to run a forward: its window and, on CPU, gloo's buffers) +
-  the largest layer (the output matrix the features gather once more) + activations, B x T x (4 H + 3 I) x 4 (one
+  the largest layer gathered once more (the output matrix; twice its bytes on gloo, `GATHER_COPIES`, since gloo's
+  all-gather fills a receive buffer beside its output) + activations, B x T x (4 H + 3 I) x 4 (one
   layer's forward in float32; B micro batch, T max length, H hidden size, I the MLP's);
 - features lora (a forward and a backward): the job without the block's training peak (DeepSpeed's own forward and
-  backward of the same micro-batches, and its optimizer step) + the largest layer. Beside every features bound,
-  the issue's literal figure: the tiny job's peak in the phase (a 2-layer Llama of width 64 with the same
+  backward of the same micro-batches, and its optimizer step) + the largest layer gathered. Beside every features
+  bound, the issue's literal figure: the tiny job's peak in the phase (a 2-layer Llama of width 64 with the same
   vocabulary, the same job) + one rank's shard + the largest layer + activations, the lora kind's with every
   layer's autograd graph, L x B x T x (26 H + 4 I) x 2 (L layers);
 - k-means, plan: the rank's RSS when the phase starts + what the same phase adds on the tiny job's same rank (rank
@@ -503,12 +504,12 @@ def bound(phase: str, rank: int, job: dict[str, Any], tiny: dict[str, Any], plai
     peaks = peaks_by_phase(report)
     if phase == "features lora" and plain is not None:
         # A forward and a backward of the same micro-batch: what DeepSpeed's own training step holds, + the layer.
-        return (peaks_by_phase(plain["ranks"][rank])["train"]["rss"] + sizes["largest_layer"],
-                "DeepSpeed's training step + layer")
+        return (peaks_by_phase(plain["ranks"][rank])["train"]["rss"] + GATHER_COPIES * sizes["largest_layer"],
+                "DeepSpeed's training step + gathered layer")
     if phase.startswith("features ") and DEEPSPEED_FORWARD in peaks:
-        return (peaks[DEEPSPEED_FORWARD]["rss"] + sizes["largest_layer"]
+        return (peaks[DEEPSPEED_FORWARD]["rss"] + GATHER_COPIES * sizes["largest_layer"]
                 + activation_bytes(job["spec"]["model"], phase.split(" ", 1)[1]),
-                "DeepSpeed's forward + layer + activations")
+                "DeepSpeed's forward + gathered layer + activations")
     if phase in ("k-means", "plan"):
         # Nothing of the model is gathered: the rank's RSS when the phase starts, + what the phase adds on the tiny
         # job's same rank (rank 0 clusters; its libraries' fixed cost), + 5%.
