@@ -377,7 +377,7 @@ def run_trainer_job(spec: dict[str, Any]) -> None:
         adam_beta1=optimizer["betas"][0], adam_beta2=optimizer["betas"][1], adam_epsilon=optimizer["eps"],
         weight_decay=optimizer["weight_decay"], max_grad_norm=config["gradient_clipping"], bf16=True,
         lr_scheduler_type="constant", logging_steps=1000, report_to=[], disable_tqdm=True, seed=0,
-        save_only_model=False)
+        save_only_model=False, use_cpu=os.environ.get("DS_ACCELERATOR") == "cpu")  # transformers refuses CPU bf16 else
     with memory.phase("load"):
         model, sizes = build_model(spec["model"], config, lora=True)
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
