@@ -400,6 +400,9 @@ def run_trainer_job(spec: dict[str, Any]) -> None:
     with memory.phase("train"):  # the Trainer builds its engine in here too
         trainer.train()
     first = list(steps.pop(2))
+    # A user resumes with a new Trainer (the old one's DeepSpeed scheduler stand-in cannot load a state): the same
+    # arguments, the model it trained.
+    trainer = TracedTrainer(model=trainer.model, args=arguments, train_dataset=dataset)
     with memory.phase("resume"):  # the checkpoint loaded, then step 2 again
         trainer.train(resume_from_checkpoint=str(out / "trainer" / "checkpoint-1"))
     with memory.phase("save"):
