@@ -639,7 +639,9 @@ def markdown(results: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-DEFAULT_JOBS = {"smollm2-360m": ["lora", "full", "offload"], "smollm2-1.7b": ["lora", "offload", "trainer"]}
+# "trainer" is left out until its resume runs as a second launch: Accelerate refuses a second DeepSpeed Trainer in
+# one process, and the first Trainer's scheduler stand-in cannot load a checkpoint's state.
+DEFAULT_JOBS = {"smollm2-360m": ["lora", "full", "offload"], "smollm2-1.7b": ["lora", "offload"]}
 
 
 def main() -> int:
