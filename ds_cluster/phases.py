@@ -1,6 +1,6 @@
 """The phases of a ds_cluster job (the features pass, clustering, the plan), logged where each starts and ends, so a
-user reading the log, or a memory sampler watching it, knows which part of the job is running; each phase starts
-and ends by giving back the memory the process freed.
+user reading the log, or a memory sampler watching it, knows which part of the job is running; each phase ends by
+giving back the memory the process freed.
 
 Records go to the logger ``ds_cluster.phases`` at INFO; each carries ``ds_cluster_phase`` (the phase's name) and
 ``ds_cluster_phase_event`` ("start" or "end") for a handler to read instead of parsing the message.
@@ -26,11 +26,9 @@ logger = logging.getLogger(PHASE_LOGGER)
 
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
-    """Log the start and the end of `name` (the end also when the block raises), with its seconds; at the start and at
-    the end, give back what was freed (`release_freed_memory`), so the phase starts from what the job holds (not from
-    what loading the model freed and kept: 0.3 GB more on one rank of a 1.7B ZeRO-3 job) and the next phase
-    (training) too."""
-    release_freed_memory()
+    """Log the start and the end of `name` (the end also when the block raises), with its seconds; at the end, give
+    back what was freed (`release_freed_memory`), so the next phase (training too) starts from what the job holds.
+    The analysis releases once more before its first phase (`ds_cluster.analysis.compute.analyze`)."""
     started = time.perf_counter()
     logger.info("phase %s started", name, extra={PHASE_FIELD: name, EVENT_FIELD: "start"})
     try:
