@@ -51,6 +51,7 @@ class Llama:
     heads: int
     kv_heads: int
     vocab: int
+    tied: bool = False  # input and output embeddings one matrix (SmolLM2), not two (Llama-2)
 
     @property
     def layer_parameters(self) -> int:
@@ -60,7 +61,7 @@ class Llama:
 
     @property
     def parameters(self) -> int:
-        return self.layers * self.layer_parameters + 2 * self.vocab * self.hidden + self.hidden
+        return self.layers * self.layer_parameters + (1 if self.tied else 2) * self.vocab * self.hidden + self.hidden
 
 
 # The published configurations (config.json of meta-llama/Llama-2-7b-hf and Llama-2-70b-hf).
@@ -74,23 +75,44 @@ PEAK_FLOPS, MFU = 989e12, 0.4
 NVLINK_BYTES_S, IB_NODE_BYTES_S = 300e9, 50e9
 
 
-def memory(model: Llama, gpus: int, batch: int, tokens: int, samples: int, dim: int) -> dict[str, float]:
-    """Each phase's bytes per GPU (rank 0's for k-means and the save)."""
-    shard = 2 * model.parameters / gpus
-    window = 2 * min(model.parameters, LIVE_PARAMETERS)
-    layer = 2 * max(model.vocab * model.hidden, model.layer_parameters)
-    forward = batch * tokens * (4 * model.hidden + 3 * model.inner) * 4 + 3 * CHUNK * model.vocab * 4 + 64 * (1 << 20)
+@dataclass(frozen=True)
+class Terms:
+    """The memory terms of the module's docstring, bytes per GPU (the fixed overhead O left to the caller)."""
+
+    shard: float         # S
+    window: float        # D
+    layer: float         # Lg
+    forward: float       # Af
+    graph: float         # Ag
+    checkpointed: float  # Ac
+    graph_per_token: float  # one token's bytes of every layer's graph (what the lora kind's pass adds a token)
+
+
+def terms(model: Llama, gpus: int, batch: int, tokens: int, live_parameters: float = LIVE_PARAMETERS) -> Terms:
+    """S, D, Lg, Af, Ag and Ac for `model` on `gpus` ranks at a micro batch of `batch` x `tokens`."""
+    positions = min(CHUNK, batch * tokens)  # the logits of at most CHUNK response positions at once
     per_token = 26 * model.hidden + 4 * model.inner  # bf16 values one layer's graph saves per token
-    graph = model.layers * batch * tokens * per_token * 2
-    checkpointed = model.layers * batch * tokens * model.hidden * 2 + batch * tokens * per_token * 2
-    features = shard + window + layer + forward + OVERHEAD
-    return {"features proxy / lm_head": features, "features lora": features + graph,
-            "k-means (rank 0)": shard + OVERHEAD + samples * dim * 4,
-            "LoRA training (checkpointed)": shard + window + checkpointed + OVERHEAD,
-            "full fine-tuning (checkpointed)": 16 * model.parameters / gpus + window + checkpointed + OVERHEAD,
-            "save (rank 0)": shard + layer + OVERHEAD + 2 * 512 * (1 << 20),
+    return Terms(shard=2 * model.parameters / gpus, window=2 * min(model.parameters, live_parameters),
+                 layer=2 * max(model.vocab * model.hidden, model.layer_parameters),
+                 forward=(batch * tokens * (4 * model.hidden + 3 * model.inner) * 4 + 3 * positions * model.vocab * 4
+                          + 64 * (1 << 20)),
+                 graph=model.layers * batch * tokens * per_token * 2,
+                 checkpointed=model.layers * batch * tokens * model.hidden * 2 + batch * tokens * per_token * 2,
+                 graph_per_token=model.layers * per_token * 2)
+
+
+def memory(model: Llama, gpus: int, batch: int, tokens: int, samples: int, dim: int,
+           live_parameters: float = LIVE_PARAMETERS, overhead: float = OVERHEAD) -> dict[str, float]:
+    """Each phase's bytes per GPU (rank 0's for k-means and the save)."""
+    t = terms(model, gpus, batch, tokens, live_parameters)
+    features = t.shard + t.window + t.layer + t.forward + overhead
+    return {"features proxy / lm_head": features, "features lora": features + t.graph,
+            "k-means (rank 0)": t.shard + overhead + samples * dim * 4,
+            "LoRA training (checkpointed)": t.shard + t.window + t.checkpointed + overhead,
+            "full fine-tuning (checkpointed)": 16 * model.parameters / gpus + t.window + t.checkpointed + overhead,
+            "save (rank 0)": t.shard + t.layer + overhead + 2 * 512 * (1 << 20),
             "lora kind: tokens a micro-batch may hold in 80 GB":
-                max(0.0, 80e9 - (shard + window + layer + OVERHEAD)) / (model.layers * per_token * 2)}
+                max(0.0, 80e9 - (t.shard + t.window + t.layer + overhead)) / t.graph_per_token}
 
 
 def seconds_per_micro_batch(model: Llama, gpus: int, batch: int, tokens: int, flops_per_token: float,
@@ -126,29 +148,26 @@ def check(results: dict[str, Any]) -> list[str]:
         if spec["mode"] != "block":
             continue
         config = measured.MODELS[spec["model"]]
-        hidden, inner, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-        batch, tokens, world = measured.MICRO, measured.MAX_LENGTH, measured.WORLD
-        per_token = 26 * hidden + 4 * inner
-        graph = layers * batch * tokens * per_token * 2
-        logits = 3 * min(CHUNK, batch * tokens) * config["vocab_size"] * 4 + 64 * (1 << 20)
-        forward = batch * tokens * (4 * hidden + 3 * inner) * 4 + logits
+        model = Llama(spec["model"], config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
+                      config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"],
+                      tied=config.get("tie_word_embeddings", False))
+        t = terms(model, measured.WORLD, measured.MICRO, measured.MAX_LENGTH,
+                  results.get("window") or LIVE_PARAMETERS)
+        features = t.shard + t.window + t.layer + t.forward
+        formulas: dict[str, Optional[float]] = {
+            "features lm_head": features, "features proxy": features, "features lora": features + t.graph,
+            # the CPU jobs do not checkpoint activations: training keeps every layer's graph
+            "train": (t.shard + t.window + t.graph) if spec["train"] == "lora" else None}
         for rank, report in enumerate(job["ranks"]):
-            sizes, peaks = report["sizes"], measured.peaks_by_phase(report)
+            peaks = measured.peaks_by_phase(report)
             tiny = measured.peaks_by_phase(results["tiny"]["ranks"][rank])
-            shard = sizes["whole"] / world
-            window = 2 * min(sizes["parameters"], results.get("window") or LIVE_PARAMETERS)
-            terms: dict[str, Optional[float]] = {
-                "features lm_head": shard + window + sizes["largest_layer"] + forward,
-                "features proxy": shard + window + sizes["largest_layer"] + forward,
-                "features lora": shard + window + sizes["largest_layer"] + forward + graph,
-                "train": (shard + window + graph) if spec["train"] == "lora" else None}
-            for phase, formula in terms.items():
+            for phase, formula in formulas.items():
                 if formula is None or phase not in peaks or phase not in tiny:
                     continue
-                formula += tiny[phase]["rss"]
+                bound = formula + tiny[phase]["rss"]  # O: what the job costs this rank with next to no model
                 lines.append(f"| {spec['model']}, {spec['train']}, {spec['zero']} | {phase} | {rank} | "
-                             f"{formula / 1e9:.2f} | {peaks[phase]['rss'] / 1e9:.2f} | "
-                             f"{peaks[phase]['rss'] / formula:.2f} |")
+                             f"{bound / 1e9:.2f} | {peaks[phase]['rss'] / 1e9:.2f} | "
+                             f"{peaks[phase]['rss'] / bound:.2f} |")
     return lines
 
 
