@@ -19,10 +19,11 @@ optimizer steps with a checkpoint after the first, a resume from it (the second 
 paired steps (one with the cluster loader, one with DeepSpeed's own, alternating) and `--save-model`
 (`ds_cluster.train.save_hf_model`). Without the block (`"enabled": false`: DeepSpeed's own loader and the plain
 loss), the same steps, checkpoint and resume, and DeepSpeed's own `save_16bit_model`. The same LoRA job through
-ClusterTrainer (`run_trainer_job`): train (the Trainer's engine, the analysis in a forward-only engine), a
-resume, `save_model`. A sampler thread in each rank reads its RSS every 50 ms and its USS every second
-(`bench/memory_phases.py`); the phases are the bench's and the library's own (`ds_cluster.phases`). DataLoaders
-run without worker processes (a forked worker of a multi-GB rank keeps a copy of every page the rank writes).
+ClusterTrainer (`run_trainer_job`): train (the Trainer's engine, the analysis in a forward-only engine), then a
+second launch that resumes from the step-1 checkpoint, and `save_model`. A sampler thread in each rank reads its
+RSS every 50 ms and its USS every second (`bench/memory_phases.py`); the phases are the bench's and the library's
+own (`ds_cluster.phases`). DataLoaders run without worker processes (a forked worker of a multi-GB rank keeps a
+copy of every page the rank writes).
 
 The bounds, bytes of RSS per rank:
 - features proxy and lm_head: DeepSpeed's own forward of this rank's longest batches in the same job (the shard,
@@ -355,8 +356,11 @@ def paired_steps(engine: Any, loader: Any, dataset: Any, memory: Any) -> dict[st
 
 
 def run_trainer_job(spec: dict[str, Any]) -> None:
-    """One rank of the same LoRA job through ClusterTrainer: train 2 steps (checkpoints after each), train again from
-    the step-1 checkpoint (step 2's samples again), `save_model`; the phases' memory to OUT/rank<R>.json."""
+    """One rank of the same LoRA job through ClusterTrainer, in two launches as a user runs it. The first trains 2
+    steps (a checkpoint after each: the analysis computed in its train phase); the second (`spec["resume_from"]`: the
+    first's folder) is a new process that loads the model again, resumes from the step-1 checkpoint (step 2's samples
+    again, against those the first launch recorded), then `save_model`. Each launch's phases' memory to
+    OUT/rank<R>.json."""
     from transformers import AutoTokenizer, TrainingArguments
 
     from bench.memory_phases import PhaseMemory
@@ -367,7 +371,9 @@ def run_trainer_job(spec: dict[str, Any]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     memory = PhaseMemory().start()
     out = Path(spec["out"])
-    config = ds_config(True, spec["zero"] == "zero3_offload", out / "analysis", spec.get("window"))
+    first = Path(spec["resume_from"]) if spec.get("resume_from") else None
+    # The second launch reads the first's analysis (the same plan) and resumes its checkpoint.
+    config = ds_config(True, spec["zero"] == "zero3_offload", (first or out) / "analysis", spec.get("window"))
     optimizer = config["optimizer"]["params"]
     # TrainingArguments first: it starts the process group and keeps the HfDeepSpeedConfig that builds the model
     # partitioned. Its values must agree with the DeepSpeed config's.
@@ -378,7 +384,7 @@ def run_trainer_job(spec: dict[str, Any]) -> None:
         weight_decay=optimizer["weight_decay"], max_grad_norm=config["gradient_clipping"], bf16=True,
         lr_scheduler_type="constant", logging_steps=1000, report_to=[], disable_tqdm=True, seed=0,
         save_only_model=False, use_cpu=os.environ.get("DS_ACCELERATOR") == "cpu")  # transformers refuses CPU bf16 else
-    with memory.phase("load"):
+    with memory.phase("load" if first is None else LOAD_AGAIN):
         model, sizes = build_model(spec["model"], config, lora=True)
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
     dataset = load_instruction_dataset(spec["records"], tokenizer, max_length=MAX_LENGTH)
@@ -397,23 +403,42 @@ def run_trainer_job(spec: dict[str, Any]) -> None:
                 return super()._save_checkpoint(*args, **kwargs)
 
     trainer = TracedTrainer(model=model, args=arguments, train_dataset=dataset)
-    with memory.phase("train"):  # the Trainer builds its engine in here too
-        trainer.train()
-    first = list(steps.pop(2))
-    # A user resumes with a new Trainer (the old one's DeepSpeed scheduler stand-in cannot load a state): the same
-    # arguments, the model it trained.
-    trainer = TracedTrainer(model=trainer.model, args=arguments, train_dataset=dataset)
-    with memory.phase("resume"):  # the checkpoint loaded, then step 2 again
-        trainer.train(resume_from_checkpoint=str(out / "trainer" / "checkpoint-1"))
-    with memory.phase("save"):
-        trainer.save_model(str(out / "model"))
-    memory.stop()
     rank = distributed.get_rank()
-    report = {"rank": rank, "spec": spec, "sizes": sizes, "world_size": distributed.get_world_size(),
-              "resumed_same_samples": steps.get(2) == first, "phases": memory.peaks()}
+    report: dict[str, Any] = {"rank": rank, "spec": spec, "sizes": sizes, "world_size": distributed.get_world_size()}
+    if first is None:
+        with memory.phase("train"):  # the Trainer builds its engine and computes the analysis in here
+            trainer.train()
+        report["steps"] = {str(step): indices for step, indices in steps.items()}
+    else:
+        with memory.phase("resume"):  # the engine built, the checkpoint loaded, then step 2 again
+            trainer.train(resume_from_checkpoint=str(first / "trainer" / "checkpoint-1"))
+        with memory.phase("save"):
+            trainer.save_model(str(out / "model"))
+        recorded = json.loads((first / f"rank{rank}.json").read_text())["steps"]["2"]
+        report["resumed_same_samples"] = steps.get(2) == recorded
+    memory.stop()
+    report["phases"] = memory.peaks()
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     del trainer
     distributed.shutdown()
+
+
+def trainer_job(spec: dict[str, Any], timeout: int, reuse: bool) -> dict[str, Any]:
+    """The ClusterTrainer job's two launches (`run_trainer_job`) as one job: each rank's phases of both."""
+    trained = launch(spec, timeout, reuse)
+    resumed = launch({**spec, "name": f"{spec['name']}-resume", "out": f"{spec['out']}-resume",
+                      "resume_from": spec["out"]}, timeout, reuse and not _newer(spec["out"], f"{spec['out']}-resume"))
+    ranks = [{**before, "phases": before["phases"] + after["phases"],
+              "resumed_same_samples": after["resumed_same_samples"],
+              "wall_seconds": before["wall_seconds"] + after["wall_seconds"]}
+             for before, after in zip(trained["ranks"], resumed["ranks"])]
+    return {"spec": spec, "ranks": ranks, "launches": 2}
+
+
+def _newer(first: str, second: str) -> bool:
+    """Whether the first launch's reports were written after the second's (then the second must run again)."""
+    stamp = lambda folder: max((p.stat().st_mtime for p in Path(folder).glob("rank*.json")), default=0.0)  # noqa: E731
+    return stamp(first) > stamp(second)
 
 
 # ---------------------------------------------------------------------------------------------- the driver
@@ -520,7 +545,7 @@ def bound(phase: str, rank: int, job: dict[str, Any], tiny: dict[str, Any], plai
         added = max(0, peaks_by_phase(tiny_report)[phase]["rss"] - phase_start(tiny_report, phase))
         start = phase_start(report, phase)
         return int(start * 1.05) + added, "at its start + the tiny job's growth in it + 5%"
-    if job["spec"]["mode"] == "trainer" and phase in ("train", "checkpoint", "resume", "save"):
+    if job["spec"]["mode"] == "trainer" and phase in ("train", "checkpoint", "resume", "save", LOAD_AGAIN):
         return None, "the HF Trainer's and DeepSpeed's"
     if phase == "save":
         # Rank 0: the file it fills (its bytes once more while safetensors serialises them) and the parameter it
@@ -532,9 +557,10 @@ def bound(phase: str, rank: int, job: dict[str, Any], tiny: dict[str, Any], plai
         return None, "the training peak below"
     if phase == DEEPSPEED_FORWARD:
         return None, "DeepSpeed's (the features passes' reference)"
-    return None, "transformers' and DeepSpeed's" if phase in ("load", "initialize") else ""
+    return None, "transformers' and DeepSpeed's" if phase in ("load", "initialize", LOAD_AGAIN) else ""
 
 
+LOAD_AGAIN = "load, second launch"  # ClusterTrainer's resume is a new process, which builds the model again
 TRAINING_PHASES = ("train", "checkpoint", "resume", "train paired, block", "train paired, plain")
 
 
@@ -553,7 +579,8 @@ def training_verdict(job: dict[str, Any], plain: dict[str, Any]) -> dict[str, An
 
 
 PHASE_ORDER = ["load", "initialize", "features lm_head", "k-means", "plan", DEEPSPEED_FORWARD, "features proxy",
-               "features lora", "train", "checkpoint", "resume", "train paired, block", "train paired, plain", "save"]
+               "features lora", "train", "checkpoint", LOAD_AGAIN, "resume", "train paired, block",
+               "train paired, plain", "save"]
 
 
 def table_rows(job: dict[str, Any], tiny: dict[str, Any], plain: Optional[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -639,9 +666,9 @@ def markdown(results: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-# "trainer" is left out until its resume runs as a second launch: Accelerate refuses a second DeepSpeed Trainer in
-# one process, and the first Trainer's scheduler stand-in cannot load a checkpoint's state.
-DEFAULT_JOBS = {"smollm2-360m": ["lora", "full", "offload"], "smollm2-1.7b": ["lora", "offload"]}
+# ClusterTrainer's job at the larger size only (its resume is a second launch: Accelerate refuses a second DeepSpeed
+# Trainer in one process).
+DEFAULT_JOBS = {"smollm2-360m": ["lora", "full", "offload"], "smollm2-1.7b": ["lora", "offload", "trainer"]}
 
 
 def main() -> int:
@@ -674,8 +701,9 @@ def main() -> int:
     def job(model: str, mode: str, train: str, zero: str) -> dict[str, Any]:
         name = f"{model}-{train}-{zero}-{mode}"
         print(f"{time.strftime('%H:%M:%S')} {name}", flush=True)
-        return launch({**base, "name": name, "model": model, "mode": mode, "train": train, "zero": zero,
-                       "out": str(args.work / name)}, args.timeout, args.reuse)
+        spec = {**base, "name": name, "model": model, "mode": mode, "train": train, "zero": zero,
+                "out": str(args.work / name)}
+        return (trainer_job if mode == "trainer" else launch)(spec, args.timeout, args.reuse)
 
     results: dict[str, Any] = {"tiny": job("tiny", "block", "lora", "zero3"), "jobs": [], "window": base["window"]}
     for model in args.sizes:
