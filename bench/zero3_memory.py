@@ -1,6 +1,6 @@
 """Each rank's memory in every phase of a ZeRO-3 ds_cluster job on a model no rank holds whole, against its bound.
 
-    python bench/zero3_memory.py                # bench/results/zero3_memory.{json,md} (about 4 hours on 2 cores)
+    python bench/zero3_memory.py                # bench/results/zero3_memory.{json,md} (about 80 min on 2 cores)
     python bench/zero3_memory.py --sizes smollm2-360m --jobs lora    # one size, the LoRA jobs only
 
 Models: Llamas with the published configurations of SmolLM2-360M and SmolLM2-1.7B (random weights: memory does not
