@@ -37,8 +37,8 @@ The bounds, bytes of RSS per rank:
   vocabulary, the same job) + one rank's shard + the largest layer + activations, the lora kind's with every
   layer's autograd graph, L x B x T x (26 H + 4 I) x 2 (L layers);
 - k-means, plan: the rank's RSS when the phase starts + what the same phase adds on the tiny job's same rank (rank
-  0 clusters: the points it writes for the k-means child, which runs in a process of its own) + 5%: nothing of the model is
-  gathered (across processes the same code's peaks differ by more than 5%: the same `load` peaked at 1.31 and
+  0 clusters: the points it writes for the k-means child, which runs in a process of its own) + 5%: nothing of the
+  model is gathered (across processes the same code's peaks differ by more than 5%: the same `load` peaked at 1.31 and
   1.00 GiB in two 360M jobs);
 - training (the steps, checkpoint, resume, the later steps): the larger rank's peak over them, against the job
   without the block's + 5% (what ds_cluster may add); both jobs train the same 7 steps. Per phase and per rank the
