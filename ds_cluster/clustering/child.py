@@ -10,7 +10,6 @@ giving its memory back; the centres are the in-process call's, bit for bit (test
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -18,8 +17,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 # The package's parent folder: the child imports this very ds_cluster, installed or not.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
