@@ -51,7 +51,9 @@ class AnalysisOptions:
     """How an analysis runs, not what it computes (that is the stages' settings): the micro batch of the features
     pass, the feature store (default `out_dir/.feature_store`; `recompute` discards it) and its shard size, the
     progress bar (rank 0), what the manifest records beside the settings (`provenance`: model, data paths...),
-    the training data when `dataset` is its re-encoding (`of_data`), and target examples (`target`)."""
+    the training data when `dataset` is its re-encoding (`of_data`), target examples (`target`), and whether
+    k-means runs in a child process (`kmeans_in_child`: a training job's, so that its rank keeps none of
+    scikit-learn's imports)."""
 
     batch_size: int = 8
     store_dir: Union[None, str, os.PathLike] = None
@@ -62,6 +64,7 @@ class AnalysisOptions:
     of_data: Optional[AnalysedData] = None
     # Target examples (as the features read them) whose features the analysis records too (docs/targeted.md).
     target: Optional[TargetExamples] = None
+    kmeans_in_child: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ def analyze(engine: Any, dataset: Sequence[Any], out_dir: Union[str, os.PathLike
             lambda: write_analysis(folder, written, stages, AnalysedData(target, target_fingerprint),
                                    collectives.world_size, timings=timings,
                                    provenance={"zero_stage": stage, **options.provenance}, clusters=clusters,
-                                   target=target_examples),
+                                   target=target_examples, kmeans_in_child=options.kmeans_in_child),
             only_rank=0, errors=(ValueError, OSError, RuntimeError))
     summary = folder.summary()
     assert summary is not None
@@ -185,14 +188,15 @@ class AnalysedFeatures:
 def write_analysis(folder: Union[AnalysisDir, str, os.PathLike], features: AnalysedFeatures, settings: Any,
                    data: AnalysedData, world_size: int, *, timings: Optional[AnalysisTimings] = None,
                    provenance: Optional[Mapping[str, Any]] = None,
-                   clusters: Optional[ClusterResult] = None, target: Optional[AnalysedTarget] = None
-                   ) -> dict[str, Any]:
+                   clusters: Optional[ClusterResult] = None, target: Optional[AnalysedTarget] = None,
+                   kmeans_in_child: bool = False) -> dict[str, Any]:
     """The one writer of an analysis folder from features: k-means of the samples with response tokens with the
     clustering settings (unless the ranks did it together: `clusters`), then the folder (arrays, manifest, summary).
     `settings`: the block or its `StageSettings`; `data`: the training data the features are of (its categories,
     when it has them, give the purity). `timings`: of what came before (the features pass); the summary's total
     adds the clustering and the writing. `target`: the target examples' features (`analysis.target.extract_target`,
-    with the same engine and feature settings as `features`), recorded with their fingerprint. Returns the summary
+    with the same engine and feature settings as `features`), recorded with their fingerprint. `kmeans_in_child`:
+    `clustering.kmeans.cluster_with`'s `in_child`. Returns the summary
     written. A caller that has the pool's features already (the benchmark: once per feature model, for many
     targets) writes an analysis with each target this way, without extracting the pool again."""
     folder = folder if isinstance(folder, AnalysisDir) else AnalysisDir(folder)
@@ -204,7 +208,8 @@ def write_analysis(folder: Union[AnalysisDir, str, os.PathLike], features: Analy
     # Samples without response tokens have no gradient: they stay out of k-means (label -1).
     has_response = ~np.asarray(features.empty_mask, dtype=bool)
     if clusters is None:
-        clusters = cluster_with(features.features[has_response], stages.clustering, world_size)
+        clusters = cluster_with(features.features[has_response], stages.clustering, world_size,
+                                in_child=kmeans_in_child)
     num_samples = len(data.records)
     labels, distances = spread_to_all(clusters, np.flatnonzero(has_response), num_samples)
     timings = dataclasses.replace(timings, cluster=time.perf_counter() - clustering_started)

@@ -2,7 +2,8 @@
 
 Importing scikit-learn's KMeans imports pandas and scipy.stats with it: 139-163 MB of resident memory that the
 process keeps for its life (measured on this project's machines). A training rank that clustered would carry that
-into every training step, above what its peers and plain DeepSpeed hold. The child (``python -m
+into every training step, above what its peers and plain DeepSpeed hold; the training job asks for the child
+(`kmeans.cluster_with(..., in_child=True)`). The child (``python -m
 ds_cluster.clustering.child POINTS CENTROIDS ARGUMENTS``) imports numpy and scikit-learn only, runs the very same
 function on the very same float32 points (written to and read back from a ``.npy`` file, exactly), and exits,
 giving its memory back; the centres are the in-process call's, bit for bit (tests/test_kmeans_child.py).
@@ -20,16 +21,6 @@ import numpy as np
 
 # The package's parent folder: the child imports this very ds_cluster, installed or not.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-
-
-def in_distributed_job() -> bool:
-    """Whether this process is a rank of a job (torch.distributed initialised): then it goes on to train, and its
-    clustering runs in a child (`sklearn_centroids_in_child`). Reads torch only if it is already loaded."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    distributed = getattr(torch, "distributed", None)
-    return bool(distributed is not None and distributed.is_available() and distributed.is_initialized())
 
 
 def sklearn_centroids(points: np.ndarray, num_clusters: int, n_init: int, max_iter: int, seed: int) -> np.ndarray:

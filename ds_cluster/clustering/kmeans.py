@@ -1,7 +1,7 @@
 """Stage 3: k-means in feature space, with the paper's capacity cap.
 
-Pure numpy / scikit-learn / faiss: no torch import, no process group (a rank of a job is recognised to cluster in a
-child process: `child.py`).
+Pure numpy / scikit-learn / faiss: no torch import, no process group. A training job's end asks for scikit-learn's
+k-means in a child process (`cluster_with(..., in_child=True)`, `child.py`).
 """
 from __future__ import annotations
 
@@ -214,9 +214,15 @@ def capped_assignment(
     return labels.astype(np.int64)
 
 
-def cluster_with(points: np.ndarray, settings: ClusteringSettings, world_size: int) -> ClusterResult:
-    """k-means of `points` as the clustering settings say (K for `world_size`, restarts, cap, back-end, seed)."""
-    return cluster_features(points, backend=settings.backend, **settings.kmeans_arguments(world_size))
+def cluster_with(points: np.ndarray, settings: ClusteringSettings, world_size: int, *,
+                 in_child: bool = False) -> ClusterResult:
+    """k-means of `points` as the clustering settings say (K for `world_size`, restarts, cap, back-end, seed).
+    `in_child`: a rank that goes on to train asks for it; scikit-learn's k-means then runs in a child process
+    (the same centres), other back-ends as they are."""
+    backend: Union[str, KMeansBackend] = settings.backend
+    if in_child and settings.backend == SklearnKMeans.name:
+        backend = SklearnKMeans(in_child=True)
+    return cluster_features(points, backend=backend, **settings.kmeans_arguments(world_size))
 
 
 def kmeans_settings(config: Any, world_size: int) -> dict[str, Any]:
@@ -272,16 +278,21 @@ class KMeansBackend(ABC):
 
 
 class SklearnKMeans(KMeansBackend):
-    """scikit-learn's KMeans (the default). In a rank of a distributed job it runs in a child process, which gives
-    back the libraries scikit-learn imports (about 0.15 GB the training rank would keep): the same centres
+    """scikit-learn's KMeans (the default). With `in_child` it runs in a child process, which gives back the
+    libraries scikit-learn imports (about 0.15 GB a training rank would keep): the same centres
     (`ds_cluster.clustering.child`)."""
 
     name = "sklearn"
 
-    def centroids(self, points: np.ndarray, num_clusters: int, n_init: int, max_iter: int, seed: int) -> np.ndarray:
-        from ds_cluster.clustering.child import in_distributed_job, sklearn_centroids, sklearn_centroids_in_child
+    def __init__(self, in_child: bool = False) -> None:
+        self.in_child = in_child
 
-        if in_distributed_job():
+    def centroids(self, points: np.ndarray, num_clusters: int, n_init: int, max_iter: int, seed: int) -> np.ndarray:
+        from ds_cluster.clustering.child import sklearn_centroids, sklearn_centroids_in_child
+
+        if self.in_child:
+            logger.info("k-means of %d points in a child process (scikit-learn's imports stay out of this rank)",
+                        len(points))
             return sklearn_centroids_in_child(points, num_clusters, n_init, max_iter, seed)
         return sklearn_centroids(points, num_clusters, n_init, max_iter, seed)
 

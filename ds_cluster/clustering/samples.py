@@ -61,9 +61,11 @@ class Clusters:
         return values if self.everyone else values[self.rows]
 
 
-def cluster_samples(inputs: PlanInputs, settings: ClusteringSettings, world_size: int) -> Clusters:
+def cluster_samples(inputs: PlanInputs, settings: ClusteringSettings, world_size: int, *,
+                    kmeans_in_child: bool = False) -> Clusters:
     """The clusters of `inputs`: the given labels, else k-means of the features with `settings` (K for
-    `world_size`). Every input is checked here, once: a ValueError says what is wrong."""
+    `world_size`; `kmeans_in_child`: `kmeans.cluster_with`'s `in_child`, for a training rank). Every input is
+    checked here, once: a ValueError says what is wrong."""
     num_samples, points = _check_inputs(inputs)
     distances = inputs.distances
     if distances is not None and (inputs.labels is None or np.asarray(distances).shape != (num_samples,)):
@@ -81,7 +83,7 @@ def cluster_samples(inputs: PlanInputs, settings: ClusteringSettings, world_size
     included_points = None if points is None else (points if everyone else points[rows])
     if inputs.labels is None:
         assert included_points is not None
-        result = cluster_with(included_points, settings, world_size)
+        result = cluster_with(included_points, settings, world_size, in_child=kmeans_in_child)
     else:
         label_array = np.asarray(inputs.labels, dtype=np.int64)
         taking_part = label_array if everyone else label_array[rows]

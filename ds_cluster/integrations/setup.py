@@ -240,7 +240,8 @@ class ClusterSetup:
             target = self.target.encoded_with(source.encode) if self.target is not None else None
             options = AnalysisOptions(batch_size=adapter.shape.micro_batch_size,
                                       show_progress=self.everyone.rank == 0, provenance=provenance,
-                                      of_data=AnalysedData(self.training_data, self.data_fingerprint), target=target)
+                                      of_data=AnalysedData(self.training_data, self.data_fingerprint), target=target,
+                                      kmeans_in_child=True)  # this rank goes on to train
             result = analyze(source.engine, source.dataset, self.config.analysis_path, self.stages, options,
                              self.everyone)
         inputs = self.everyone.run_agreed("reading the analysis just computed", self.read_inputs,
@@ -290,8 +291,9 @@ class ClusterSetup:
             if self.target is not None:
                 target = self.analysis.load_target()
                 check_target_is_current(self.analysis, target, self.target.fingerprint)
-            return build_plan(cluster_samples(given, self.stages.clustering, shape.world_size), self.stages, shape,
-                              target=target)
+            # This rank goes on to train: scikit-learn's k-means in a child keeps its imports out of the rank.
+            clusters = cluster_samples(given, self.stages.clustering, shape.world_size, kmeans_in_child=True)
+            return build_plan(clusters, self.stages, shape, target=target)
 
         plan = self.everyone.run_agreed("building the cluster plan", build, errors=(ValueError, FileNotFoundError))
         assert plan is not None
