@@ -1,7 +1,9 @@
 """Each rank's memory in every phase of a ZeRO-3 ds_cluster job on a model no rank holds whole, against its bound.
 
-    python bench/zero3_memory.py                # bench/results/zero3_memory.{json,md} (about 80 min on 2 cores)
+    python bench/zero3_memory.py                # bench/results/zero3_memory.{json,md} (about 3 h on 2 cores)
     python bench/zero3_memory.py --sizes smollm2-360m --jobs lora    # one size, the LoRA jobs only
+    python bench/zero3_memory.py --sizes smollm2-360m --jobs lora --training-only --out bench/results/x
+                                                # the repeated training comparison alone
 
 Models: Llamas with the published configurations of SmolLM2-360M and SmolLM2-1.7B (random weights: memory does not
 depend on them), built under `deepspeed.zero.Init` through transformers (`HfDeepSpeedConfig` kept alive, then
@@ -40,11 +42,15 @@ The bounds, bytes of RSS per rank:
   0 clusters: the points it writes for the k-means child, which runs in a process of its own) + 5%: nothing of the
   model is gathered (across processes the same code's peaks differ by more than 5%: the same `load` peaked at 1.31 and
   1.00 GiB in two 360M jobs);
-- training (the steps, checkpoint, resume, the later steps): the larger rank's peak over them, against the job
-  without the block's + 5% (what ds_cluster may add); both jobs train the same 7 steps. Per phase and per rank the
-  two are shown side by side, not bounded: a rank's RSS grows over its first steps, and between two runs of the same
-  plain 360M job one rank's first step differed by 0.53 GiB (2.10 against 2.63), so which rank and which step
-  peaks higher is the allocator's, not ds_cluster's;
+- training (the steps, checkpoint, resume, the later steps): the larger rank's peak over them, with the block
+  against without it + 5% (what ds_cluster may add); both jobs train the same 7 steps. Over `--repeats` runs of
+  each (3 by default, interleaved; `training_comparison`): the hook's job as a user runs it (its own features pass,
+  k-means and plan, then training; not the other kinds' passes the job with every phase adds) and the job without
+  the block, the means and a 95% interval. One run of each is not enough: runs of the same plain 360M LoRA job
+  peaked at 3.03 to 3.21 GiB (three, high-water mark) and 3.03 to 3.47 (two, RSS read every 50 ms), so a single
+  pair can differ by more than the bound either way. Per phase and per rank the two
+  are shown side by side, not bounded: a rank's RSS grows over its first steps, and which rank and which step peaks
+  higher is the allocator's, not ds_cluster's;
 - save (`--save-model`): its RSS when it starts + the largest layer gathered (twice its bytes on gloo:
   `GATHER_COPIES`), + on rank 0 the file it fills (at most
   `integrations.saving.SHARD_BYTES`, twice while it is serialised) and the parameter being copied in; a LoRA job
@@ -76,6 +82,7 @@ RESULTS = REPO / "bench" / "results"
 WORK = REPO / "runs" / "zero3_memory"
 RECORDS, MAX_LENGTH, MICRO, ACCUM, WORLD = 48, 64, 2, 2, 2
 STEPS, PAIRS = 2, 2
+REPEATS = 3  # runs of each training comparison (`training_comparison`)
 WINDOW = int(1e8)  # parameters DeepSpeed may keep gathered (module docstring)
 DEEPSPEED_FORWARD = "forward, DeepSpeed alone"
 PASSES = ("deepspeed", "proxy", "lora")  # what a job with the block runs after the hook's lm_head pass
@@ -195,7 +202,7 @@ def run_job(spec: dict[str, Any]) -> None:
     if not spec.get("features_only"):
         finish_job(spec, engine, loader, dataset, tokenizer, memory, report)
     memory.stop()
-    report["phases"] = memory.peaks()
+    report["phases"], report["exact_peaks"] = memory.peaks(), memory.exact_peaks
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     del engine, loader
     torch.distributed.barrier()
@@ -417,7 +424,7 @@ def run_trainer_job(spec: dict[str, Any]) -> None:
         recorded = json.loads((first / f"rank{rank}.json").read_text())["steps"]["2"]
         report["resumed_same_samples"] = steps.get(2) == recorded
     memory.stop()
-    report["phases"] = memory.peaks()
+    report["phases"], report["exact_peaks"] = memory.peaks(), memory.exact_peaks
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
     del trainer
     distributed.shutdown()
@@ -571,11 +578,45 @@ def training_peak(job: dict[str, Any]) -> list[int]:
 
 
 def training_verdict(job: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
-    """What the block adds to a rank's training peak: the larger rank's peak with the block against without it (the
-    two jobs train the same number of steps); ranks are symmetric under ZeRO-3, and which of them peaks higher varies
-    from run to run of the same job, so the larger rank's peak is the figure a rank's memory is sized by."""
+    """One job with the block against one without: the larger rank's training peak of each (the two jobs train the
+    same number of steps); ranks are symmetric under ZeRO-3, and which of them peaks higher varies from run to run
+    of the same job, so the larger rank's peak is the figure a rank's memory is sized by."""
     block, without = max(training_peak(job)), max(training_peak(plain))
     return {"block": block, "plain": without, "added": block / without - 1, "within": block <= 1.05 * without}
+
+
+def training_comparison(block_runs: list[dict[str, Any]], plain_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the block adds to a rank's training peak over repeated runs (`--repeats`): each run's larger rank's
+    training peak, the block's mean against the plain job's, and the 95% interval of the difference (Welch's t) as
+    a share of the plain mean. One run of a job is not enough: between runs of the same plain job the larger rank's
+    peak moved by 6% (the allocator's, not ds_cluster's). `within`: the mean adds at most 5%;
+    `beyond_noise`: the interval's upper end does too (with few runs it can span the bound either way)."""
+    import numpy as np
+    from scipy import stats
+
+    block = np.array([max(training_peak(job)) for job in block_runs], dtype=float)
+    plain = np.array([max(training_peak(job)) for job in plain_runs], dtype=float)
+    added = block.mean() / plain.mean() - 1
+    interval = None
+    if block.size > 1 and plain.size > 1:
+        block_se2, plain_se2 = block.var(ddof=1) / block.size, plain.var(ddof=1) / plain.size
+        se = np.sqrt(block_se2 + plain_se2)
+        degrees = se ** 4 / (block_se2 ** 2 / (block.size - 1) + plain_se2 ** 2 / (plain.size - 1)) if se else 1.0
+        half = float(stats.t.ppf(0.975, degrees) * se) if se else 0.0
+        difference = block.mean() - plain.mean()
+        interval = [(difference - half) / plain.mean(), (difference + half) / plain.mean()]
+    return {"block": block.tolist(), "plain": plain.tolist(), "added": float(added), "interval": interval,
+            "within": bool(added <= 0.05), "beyond_noise": interval is not None and interval[1] <= 0.05}
+
+
+def training_runs(results: dict[str, Any], spec: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The repeated training jobs of `spec`'s model, fine-tuning and ZeRO variant: the hook's job as a user runs it
+    (its own features pass, then training: `passes` empty) and the job without the block, every run of each."""
+    same = [job for job in results["jobs"] if (job["spec"]["model"], job["spec"]["train"], job["spec"]["zero"])
+            == (spec["model"], spec["train"], spec["zero"])]
+    block = [job for job in same if job["spec"]["mode"] == "block" and job["spec"].get("passes") == []]
+    plain = [job for job in same if job["spec"]["mode"] == "plain"]
+    return block, plain
 
 
 PHASE_ORDER = ["load", "initialize", "features lm_head", "k-means", "plan", DEEPSPEED_FORWARD, "features proxy",
@@ -613,11 +654,12 @@ def markdown(results: dict[str, Any], command: str) -> str:
              f"{RECORDS} T0 records at max length {MAX_LENGTH}, SmolLM2's tokenizer; random weights built under "
              "deepspeed.zero.Init; DeepSpeed keeps at most "
              + (f"{results['window']:.0e} parameters gathered" if results.get("window") else "its default numbers of "
-                "parameters gathered") + ". Peak RSS sampled every 50 ms (USS every second) per phase; GiB. The "
-             "bounds: bench/zero3_memory.py's docstring.", ""]
+                "parameters gathered") + ". Peak RSS per phase: the kernel's high-water mark, read and reset every "
+             "50 ms (a spike between readings counts); USS read every second; GiB. The bounds: "
+             "bench/zero3_memory.py's docstring.", ""]
     for job in results["jobs"]:
         spec = job["spec"]
-        if spec["mode"] == "plain":
+        if spec["mode"] == "plain" or "repeat" in spec:
             continue
         plain = next((other for other in results["jobs"] if spec["mode"] == "block" and other["spec"]["mode"] == "plain"
                       and (other["spec"]["model"], other["spec"]["train"], other["spec"]["zero"])
@@ -637,13 +679,15 @@ def markdown(results: dict[str, Any], command: str) -> str:
                          f"{row['bound_is']} | {verdict} |")
         if plain is not None:
             verdict = training_verdict(job, plain)
-            lines += ["", "Training peak (the steps, the checkpoint, the resume and the later steps; both jobs train "
-                          f"{STEPS + 1 + 2 * PAIRS} steps), per rank with the block "
+            repeated = len(training_runs(results, spec)[0]) > 1
+            lines += ["", "Training peak in this run (the steps, the checkpoint, the resume and the later steps; both "
+                          f"jobs train {STEPS + 1 + 2 * PAIRS} steps), per rank with the block "
                           + ", ".join(gb(value) for value in training_peak(job)) + " GiB, without it "
                           + ", ".join(gb(value) for value in training_peak(plain)) + " GiB; the larger rank "
                           f"{gb(verdict['block'])} against {gb(verdict['plain'])} GiB: "
-                          f"{100 * verdict['added']:+.1f}% (bound +5%): "
-                          + ("within." if verdict["within"] else "**not within**.")]
+                          f"{100 * verdict['added']:+.1f}%"
+                          + (" (one run of each; the bound is checked over the repeated runs below)." if repeated
+                             else " (bound +5%): " + ("within." if verdict["within"] else "**not within**."))]
         paired = job["ranks"][0].get("paired_steps")
         if paired:
             ratio = median(paired["block"]) / median(paired["plain"])
@@ -663,7 +707,41 @@ def markdown(results: dict[str, Any], command: str) -> str:
                 f"{kind} {share['samples_per_rank']} in {share['seconds']:.0f} s" for kind, share in features.items())]
         resumed = job["ranks"][0].get("resumed_same_samples")
         lines += ["", f"Resumed from the step-1 checkpoint, step 2 trained the same samples: {resumed}.", ""]
+    lines += repeated_training_lines(results)
     return "\n".join(lines) + "\n"
+
+
+def repeated_training_lines(results: dict[str, Any]) -> list[str]:
+    """The training bound over repeated runs: per model, fine-tuning and ZeRO variant, every run's larger rank's
+    training peak with the block (the hook's job as a user runs it) and without, and what the block adds."""
+    groups = []
+    for job in results["jobs"]:
+        key = (job["spec"]["model"], job["spec"]["train"], job["spec"]["zero"])
+        if job["spec"].get("passes") == [] and key not in groups:
+            groups.append(key)
+    if not groups:
+        return []
+    lines = ["## Training peak over repeated runs", "",
+             "Each run's larger rank's peak over the training phases (the steps, the checkpoint, the resume and the "
+             f"later steps: {STEPS + 1 + 2 * PAIRS} steps in both jobs). With the block: the hook's job as a user "
+             "runs it (its features pass, k-means and plan in the job, then training), without the other kinds' "
+             "passes the job above adds; without: DeepSpeed's own loader and loss. Runs interleaved, one at a time; "
+             "the interval: 95%, Welch's t on the difference of the means, as a share of the plain mean. Bound: "
+             "the block adds at most 5%.", "",
+             "| model | fine-tuning | ZeRO | with the block, GiB | without, GiB | added (means) | 95% interval | "
+             "within 5% | beyond the noise |", "|---|---|---|---|---|---|---|---|---|"]
+    for model, train, zero in groups:
+        block, plain = training_runs(results, {"model": model, "train": train, "zero": zero})
+        if not block or not plain:
+            continue
+        found = training_comparison(block, plain)
+        interval = ("" if found["interval"] is None
+                    else f"{100 * found['interval'][0]:+.1f}% to {100 * found['interval'][1]:+.1f}%")
+        lines.append(f"| {model} | {train} | {zero} | {', '.join(f'{v / GIB:.2f}' for v in found['block'])} | "
+                     f"{', '.join(f'{v / GIB:.2f}' for v in found['plain'])} | {100 * found['added']:+.1f}% | "
+                     f"{interval} | {'yes' if found['within'] else '**NO**'} | "
+                     f"{'yes' if found['beyond_noise'] else 'no'} |")
+    return lines + [""]
 
 
 # ClusterTrainer's job at the larger size only (its resume is a second launch: Accelerate refuses a second DeepSpeed
@@ -688,6 +766,12 @@ def main() -> int:
                              "stage3_max_reuse_distance, stage3_prefetch_bucket_size; default %(default).0e); 0: "
                              "DeepSpeed's defaults (1e9, 1e9, 5e7), under which a 1.7B LoRA job's training holds about "
                              "7.5 GB a rank, more than two ranks have beside this machine's other jobs")
+    parser.add_argument("--repeats", type=int, default=REPEATS,
+                        help="runs of each training comparison (the hook's job without the other kinds' passes, and "
+                             "the job without the block; default %(default)s): one run of the same plain job peaked "
+                             "6%% above another; 0: none, the single-run comparison only")
+    parser.add_argument("--training-only", action="store_true",
+                        help="run only the repeated training comparison (not the job with every phase)")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -696,19 +780,34 @@ def main() -> int:
         (run_trainer_job if spec["mode"] == "trainer" else run_job)(spec)
         return 0
     tokenizer, records = prepare(args.work)
-    base = {"tokenizer": str(tokenizer), "records": str(records), "window": int(args.window) or None}
+    # "peaks": how a phase's peak is read (bench/memory_phases.py), so --reuse never joins reports read otherwise.
+    base = {"tokenizer": str(tokenizer), "records": str(records), "window": int(args.window) or None,
+            "peaks": "high-water"}
 
-    def job(model: str, mode: str, train: str, zero: str) -> dict[str, Any]:
-        name = f"{model}-{train}-{zero}-{mode}"
+    def job(model: str, mode: str, train: str, zero: str, repeat: Optional[int] = None) -> dict[str, Any]:
+        name = f"{model}-{train}-{zero}-{mode}" + ("" if repeat is None else f"-run{repeat}")
         print(f"{time.strftime('%H:%M:%S')} {name}", flush=True)
         spec = {**base, "name": name, "model": model, "mode": mode, "train": train, "zero": zero,
                 "out": str(args.work / name)}
+        if repeat is not None:
+            spec["repeat"] = repeat
+            if mode == "block":
+                spec["passes"] = []  # the hook's own features pass only, as a user's job runs
         return (trainer_job if mode == "trainer" else launch)(spec, args.timeout, args.reuse)
 
     results: dict[str, Any] = {"tiny": job("tiny", "block", "lora", "zero3"), "jobs": [], "window": base["window"]}
     for model in args.sizes:
         for group in args.jobs or DEFAULT_JOBS[model]:
-            results["jobs"] += [job(model, mode, train, zero) for mode, train, zero in JOBS[group]]
+            if not args.training_only:
+                results["jobs"] += [job(model, mode, train, zero) for mode, train, zero in JOBS[group]]
+            if group == "trainer":
+                continue
+            _, train, zero = JOBS[group][0]
+            for repeat in range(args.repeats):
+                # Interleaved, so that the machine's state drifts over both alike; the job above is the plain run 0.
+                results["jobs"].append(job(model, "block", train, zero, repeat))
+                if repeat or args.training_only:
+                    results["jobs"].append(job(model, "plain", train, zero, repeat))
     command = "python bench/zero3_memory.py " + " ".join(sys.argv[1:])
     text = markdown(results, command.strip())
     args.out.parent.mkdir(parents=True, exist_ok=True)
