@@ -22,8 +22,9 @@ paired steps (one with the cluster loader, one with DeepSpeed's own, alternating
 (`ds_cluster.train.save_hf_model`). Without the block (`"enabled": false`: DeepSpeed's own loader and the plain
 loss), the same steps, checkpoint and resume, and DeepSpeed's own `save_16bit_model`. The same LoRA job through
 ClusterTrainer (`run_trainer_job`): train (the Trainer's engine, the analysis in a forward-only engine), then a
-second launch that resumes from the step-1 checkpoint, and `save_model`. A sampler thread in each rank reads its
-RSS every 50 ms and its USS every second (`bench/memory_phases.py`); the phases are the bench's and the library's
+second launch that resumes from the step-1 checkpoint, and `save_model`. A sampler thread in each rank reads the
+kernel's high-water mark of its RSS every 50 ms and resets it, so no spike between readings is missed, and its USS
+every second (`bench/memory_phases.py`); the phases are the bench's and the library's
 own (`ds_cluster.phases`). DataLoaders run without worker processes (a forked worker of a multi-GB rank keeps a
 copy of every page the rank writes).
 
