@@ -7,8 +7,9 @@
 
 The peak RSS (resident set) is the kernel's own: every `interval` seconds the sampler reads the high-water mark
 (VmHWM in /proc/self/status) and resets it (`5` written to /proc/self/clear_refs), so each reading is the largest
-RSS since the one before, a spike shorter than the interval included (a sampler that read the current RSS every
-50 ms missed them: the same job's peak moved by 0.5 GB from run to run). Where the reset is not allowed it falls
+RSS since the one before, a spike shorter than the interval included (read as the current RSS every 50 ms, two
+runs of the same plain job's larger rank peaked 0.45 GB apart; read as the high-water mark, three runs 0.18 GB
+apart: diagnostic runs of 2026-12-06 whose logs were not kept). Where the reset is not allowed it falls
 back to the current RSS (/proc/self/statm). USS (the pages only this process holds: psutil's memory_full_info,
 which reads smaps, so it is slower) is read every `uss_interval`. Both are also read as each phase starts and ends,
 so a phase shorter than an interval still has its figures. A sample counts for the innermost

@@ -48,10 +48,10 @@ The bounds, bytes of RSS per rank:
   each (3 by default, interleaved; `training_comparison`): the hook's job as a user runs it (its own features pass,
   k-means and plan, then training; not the other kinds' passes the job with every phase adds) and the job without
   the block, the means and a 95% interval. One run of each is not enough: runs of the same plain 360M LoRA job
-  peaked at 3.03 to 3.21 GiB (three, high-water mark) and 3.03 to 3.47 (two, RSS read every 50 ms), so a single
-  pair can differ by more than the bound either way. Per phase and per rank the two
-  are shown side by side, not bounded: a rank's RSS grows over its first steps, and which rank and which step peaks
-  higher is the allocator's, not ds_cluster's;
+  peaked at 3.03 to 3.21 GiB (three, high-water mark) and 3.03 to 3.47 (two, RSS read every 50 ms; diagnostic
+  runs of 2026-12-06 whose logs were not kept), so a single pair can differ by more than the bound either way.
+  Per phase and per rank the two are shown side by side, not bounded: a rank's RSS grows over its first steps,
+  and which rank and which step peaks higher is the allocator's, not ds_cluster's;
 - save (`--save-model`): its RSS when it starts + the largest layer gathered (twice its bytes on gloo:
   `GATHER_COPIES`), + on rank 0 the file it fills (at most
   `integrations.saving.SHARD_BYTES`, twice while it is serialised) and the parameter being copied in; a LoRA job
@@ -600,12 +600,8 @@ def training_comparison(block_runs: list[dict[str, Any]], plain_runs: list[dict[
     added = block.mean() / plain.mean() - 1
     interval = None
     if block.size > 1 and plain.size > 1:
-        block_se2, plain_se2 = block.var(ddof=1) / block.size, plain.var(ddof=1) / plain.size
-        se = np.sqrt(block_se2 + plain_se2)
-        degrees = se ** 4 / (block_se2 ** 2 / (block.size - 1) + plain_se2 ** 2 / (plain.size - 1)) if se else 1.0
-        half = float(stats.t.ppf(0.975, degrees) * se) if se else 0.0
-        difference = block.mean() - plain.mean()
-        interval = [(difference - half) / plain.mean(), (difference + half) / plain.mean()]
+        low, high = stats.ttest_ind(block, plain, equal_var=False).confidence_interval(0.95)
+        interval = [float(low / plain.mean()), float(high / plain.mean())]
     return {"block": block.tolist(), "plain": plain.tolist(), "added": float(added), "interval": interval,
             "within": bool(added <= 0.05), "beyond_noise": interval is not None and interval[1] <= 0.05}
 
