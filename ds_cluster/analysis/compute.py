@@ -196,9 +196,8 @@ def write_analysis(folder: Union[AnalysisDir, str, os.PathLike], features: Analy
     when it has them, give the purity). `timings`: of what came before (the features pass); the summary's total
     adds the clustering and the writing. `target`: the target examples' features (`analysis.target.extract_target`,
     with the same engine and feature settings as `features`), recorded with their fingerprint. `kmeans_in_child`:
-    `clustering.kmeans.cluster_with`'s `in_child`. Returns the summary
-    written. A caller that has the pool's features already (the benchmark: once per feature model, for many
-    targets) writes an analysis with each target this way, without extracting the pool again."""
+    `cluster_with`'s `in_child`. Returns the summary written. A caller with the pool's features already (the
+    benchmark: once per feature model, for many targets) writes an analysis per target this way."""
     folder = folder if isinstance(folder, AnalysisDir) else AnalysisDir(folder)
     stages = stages_of(settings)
     timings = timings or AnalysisTimings()
