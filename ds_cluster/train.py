@@ -93,6 +93,17 @@ def prepare_config(args: argparse.Namespace) -> dict:
     return config
 
 
+def bf16_is_slow_here() -> bool:
+    """True on DeepSpeed's CPU accelerator when the CPU has neither AVX-512 BF16 nor AMX: torch then multiplies
+    bf16 matrices without vector instructions, two orders of magnitude slower than float32."""
+    if os.environ.get("DS_ACCELERATOR") != "cpu":
+        return False
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if any(check is None for check in checks):  # a torch without the checks: nothing known, nothing said
+        return False
+    return not any(check() for check in checks)
+
+
 def parameter_digest(engine) -> str:
     """A hash of the full parameters (gathered under ZeRO-3), to compare ranks."""
     import deepspeed
@@ -188,6 +199,10 @@ def main(argv=None) -> int:
     distributed.agree_on_error(ValueError(problem) if problem else None, "checking --output-dir")
     config = prepare_config(args)
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
+    if dtype == torch.bfloat16 and rank == 0 and bf16_is_slow_here():
+        logger.warning("bf16 on a CPU without bf16 instructions (no AVX-512 BF16, no AMX): torch's bf16 matrix "
+                       "multiplies run far slower than float32 here (0.3 against 90 GFLOPS measured on an AVX2 "
+                       "CPU); leave out --bf16 on this machine")
     model, tokenizer = load_model_and_tokenizer(args.model, ds_config=config, dtype=dtype)
     if args.lora:
         model = with_lora(model, args.lora, args.lora_alpha, seed=args.lora_seed)
