@@ -94,8 +94,8 @@ def prepare_config(args: argparse.Namespace) -> dict:
 
 
 def bf16_is_slow_here() -> bool:
-    """True on DeepSpeed's CPU accelerator when the CPU has neither AVX-512 BF16 nor AMX: torch then multiplies
-    bf16 matrices without vector instructions, two orders of magnitude slower than float32."""
+    """True on DeepSpeed's CPU accelerator when the CPU has neither AVX-512 BF16 nor AMX: torch's bf16 matrix
+    multiplies then take a slow path, two orders of magnitude slower than float32 (measured, docs/features.md)."""
     if os.environ.get("DS_ACCELERATOR") != "cpu":
         return False
     checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
