@@ -90,6 +90,10 @@ def prepare_config(args: argparse.Namespace) -> dict:
         block["analysis_path"] = args.analysis
     if args.bf16:
         config["bf16"] = {"enabled": True}
+    if config.get("bf16", {}).get("enabled") and distributed.get_rank() == 0 and bf16_is_slow_here():
+        logger.warning("bf16 on a CPU without bf16 instructions (no AVX-512 BF16, no AMX): torch's bf16 matrix "
+                       "multiplies run far slower than float32 here (0.3 against 90 GFLOPS measured on an AVX2 "
+                       "CPU); leave out --bf16 on this machine")
     return config
 
 
@@ -199,10 +203,6 @@ def main(argv=None) -> int:
     distributed.agree_on_error(ValueError(problem) if problem else None, "checking --output-dir")
     config = prepare_config(args)
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32
-    if dtype == torch.bfloat16 and rank == 0 and bf16_is_slow_here():
-        logger.warning("bf16 on a CPU without bf16 instructions (no AVX-512 BF16, no AMX): torch's bf16 matrix "
-                       "multiplies run far slower than float32 here (0.3 against 90 GFLOPS measured on an AVX2 "
-                       "CPU); leave out --bf16 on this machine")
     model, tokenizer = load_model_and_tokenizer(args.model, ds_config=config, dtype=dtype)
     if args.lora:
         model = with_lora(model, args.lora, args.lora_alpha, seed=args.lora_seed)

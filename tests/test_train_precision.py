@@ -2,6 +2,7 @@
 instructions multiplies bf16 matrices two orders of magnitude slower than float32 (measured on an AVX2 host)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -33,3 +34,15 @@ def test_the_check_agrees_with_the_kernels_cpu_flags(monkeypatch):
                  if line.startswith("flags"))
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     assert train.bf16_is_slow_here() is not bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_the_training_script_warns_on_rank_0_when_bf16_would_be_slow(monkeypatch, caplog, slow):
+    monkeypatch.setattr(train, "bf16_is_slow_here", lambda: slow)
+    monkeypatch.setenv("RANK", "0")
+    args = train.parse_args(["--deepspeed", "ds_configs/zero0.json", "--model", "m", "--data", "d", "--analysis", "a",
+                             "--output-dir", "o", "--bf16"])
+    with caplog.at_level(logging.WARNING, logger="ds_cluster.train"):
+        config = train.prepare_config(args)
+    assert config["bf16"] == {"enabled": True}
+    assert any("leave out --bf16" in record.getMessage() for record in caplog.records) is slow
