@@ -79,3 +79,18 @@ def test_the_lexical_control_finds_the_target_groups_records_first():
     draw = draw_examples(validation, Target("beta", ("beta",)), per_group=4, seed=0)
     chosen = lexical_subset(pool, draw, budget=20, allowed=np.ones(len(pool), dtype=bool))
     assert chosen.size == 20 and all(pool[i]["family"] == "beta" for i in chosen)
+
+
+def test_the_smollm2_targets_are_the_largest_oracle_leads_on_validation():
+    from bench.harness.targeted_report import oracle_leads
+
+    def cell(mean):
+        return {"vs_random": {"mean": mean, "ci": 0.1, "n": 3}}
+
+    # The oracle's loss minus random's: negative where the oracle leads; a pair and a method other than the
+    # oracle never count.
+    table = {"label_oracle": {"a": cell(-0.2), "b": cell(-1.5), "c": cell(0.3), "d": cell(-0.9), "a+b": cell(-9.0)},
+             "lexical": {"a": cell(-5.0)}}
+    leads = oracle_leads(table, ["a", "b", "c", "d", "e"])
+    assert list(leads) == ["b", "d", "a", "c"]
+    assert leads["b"]["mean"] == 1.5 and leads["c"]["mean"] == -0.3 and leads["b"]["ci"] == 0.1

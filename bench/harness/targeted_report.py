@@ -24,6 +24,8 @@ from bench.harness.targeted_summary import TargetedRun, method_label, overlap_wi
 OWN_FEATURES_TIME_MAX = 0.12
 SMALL_FEATURES_TIME_MAX = 0.05
 ORACLE_CLOSED_MIN = 0.70
+# How many single-group targets the SmolLM2 grid runs (issue 56: at least three, chosen on validation).
+SMOLLM2_TARGETS = 3
 
 
 def chosen_candidate(averaged: Mapping[str, dict], candidates: Sequence[str]) -> Optional[str]:
@@ -32,6 +34,18 @@ def chosen_candidate(averaged: Mapping[str, dict], candidates: Sequence[str]) ->
     scored = [(averaged[name]["value"]["mean"], index, name) for index, name in enumerate(candidates)
               if name in averaged]
     return min(scored)[2] if scored else None
+
+
+def oracle_leads(table: Mapping[str, dict], singles: Sequence[str]) -> dict[str, dict]:
+    """Per single-group target, random's target-group loss minus the label oracle's (mean ± CI over the seeds),
+    largest first: where picking the right records can gain most, the rule for which targets the costlier SmolLM2
+    grid runs (chosen on validation, never on held-out)."""
+    leads = {}
+    for target in singles:
+        cell = table.get(ORACLE, {}).get(target, {}).get("vs_random")
+        if cell is not None:
+            leads[target] = {**cell, "mean": -cell["mean"]}
+    return dict(sorted(leads.items(), key=lambda item: -item[1]["mean"]))
 
 
 def write_targeted_report(settings: Settings, arms: Sequence[Arm], validation_only: bool) -> dict[str, Any]:
@@ -51,8 +65,15 @@ def write_targeted_report(settings: Settings, arms: Sequence[Arm], validation_on
               *_averaged_table(validation, settings), "",
               f"Chosen by the declared rule (lowest mean target-group validation loss): **{chosen}**." if chosen
               else "No candidate finished: nothing chosen.", ""]
+    leads = oracle_leads(run.table("validation"), singles)
+    lines += ["## validation: the label oracle's lead over random, per single-group target", "",
+              "| target | random minus oracle (target-group loss) |", "|---|---|",
+              *[f"| {target} | {format_stat(lead)} |" for target, lead in leads.items()], "",
+              f"The {SMOLLM2_TARGETS} with the largest leads (the SmolLM2 grid's targets, bench/candidates.json's "
+              f"\"targeted\" rule): {', '.join(list(leads)[:SMOLLM2_TARGETS]) or 'none finished'}.", ""]
     payload: dict[str, Any] = {"design": run.draws, "validation": validation, "chosen": chosen,
-                               "diagnostics": checks}
+                               "diagnostics": checks, "oracle_lead_validation": leads,
+                               "smollm2_targets": list(leads)[:SMOLLM2_TARGETS]}
     if not validation_only:
         heldout = run.averaged("heldout", singles)
         per_target = run.table("heldout")
