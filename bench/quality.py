@@ -207,7 +207,7 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     if choosing:
         settings = _choosing(settings, choosing)
     if args.target:
-        settings = _targeted(settings, args.target)
+        settings = _targeted(settings, args.target, smollm2=args.model == "smollm2")
         declared = settings.targeted.candidates  # type: ignore[union-attr]
         small = tuple(name for name in args.target_k8.split(",") if name)
         only = tuple(name for name in args.target_candidates.split(",") if name) or tuple(declared)
@@ -219,8 +219,9 @@ def settings_from_args(args: argparse.Namespace, argv: Optional[list[str]] = Non
     return with_feature_models(settings)
 
 
-def _targeted(settings: Settings, spec: str) -> Settings:
-    """The targeted instrument: the declared design and candidates of bench/candidates.json's "targeted" list."""
+def _targeted(settings: Settings, spec: str, smollm2: bool = False) -> Settings:
+    """The targeted instrument: the declared design and candidates of bench/candidates.json's "targeted" list
+    (with `smollm2`, its "_smollm2" part too: the whole mixture, and the LoRA and small-feature-model candidates)."""
     from bench.harness.targeted import TargetedSettings
     from bench.harness.targets import TARGETED_VALIDATION_FRACTION
 
@@ -228,6 +229,13 @@ def _targeted(settings: Settings, spec: str) -> Settings:
     designs = declared["_design"]
     design = dict(designs.get(Path(settings.data).name, designs["default"]))  # pairs and transfer name its groups
     candidates = {name: block for name, block in declared.items() if not name.startswith("_")}
+    if smollm2:
+        if spec == "each":
+            targets = declared["_smollm2"]["targets"].get(Path(settings.data).name)
+            raise SystemExit("--model smollm2 --target: name the targets chosen on validation "
+                             f"(bench/candidates.json's targeted._smollm2: {targets or 'none declared for this data'})")
+        candidates.update(declared["_smollm2"]["candidates"])
+        settings = replace(settings, **declared["_smollm2"]["design"])
     # "each": every group alone, the declared pairs and transfer targets; a list: those groups alone, nothing else.
     only = () if spec == "each" else tuple(group for group in spec.split(",") if group)
     targeted = TargetedSettings(per_group=design["per_group"], budget_fraction=design["budget_fraction"],

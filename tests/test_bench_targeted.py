@@ -1,12 +1,18 @@
 """The targeted instrument's own parts (bench/harness/targets.py): targets, draws by whole example groups with no
-leakage, the label oracle, the lexical control and the round-robin they share."""
+leakage, the label oracle, the lexical control and the round-robin they share; the report's rule for the SmolLM2
+grid's targets and that grid's declared design."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bench.harness.targets import (TARGET_FIELD, Target, draw_examples, leakage, lexical_subset, oracle_subset,
                                    pool_mask, round_robin, targets_of)
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _records(family: str, examples: int, per_example: int, start: int = 0) -> list[dict]:
@@ -94,3 +100,22 @@ def test_the_smollm2_targets_are_the_largest_oracle_leads_on_validation():
     leads = oracle_leads(table, ["a", "b", "c", "d", "e"])
     assert list(leads) == ["b", "d", "a", "c"]
     assert leads["b"]["mean"] == 1.5 and leads["c"]["mean"] == -0.3 and leads["b"]["ci"] == 0.1
+
+
+def test_the_smollm2_targeted_grid_takes_its_declared_design_and_names_its_targets():
+    from bench import quality
+
+    declared = json.loads((REPO / "bench" / "candidates.json").read_text())["targeted"]["_smollm2"]
+    argv = ["--model", "smollm2", "--data", "bench/real/data/flan_cot", "--target", "aqua,qasc,ecqa",
+            "--target-candidates", "hidden_round_robin,lora_round_robin,hidden_small_round_robin"]
+    settings = quality.settings_from_args(quality.parse_args(argv), argv)
+    # The whole mixture (a draw of 32 does not fit the SmolLM2 instrument's 10% slice), the named targets only.
+    assert settings.train_fraction == 1.0 and settings.targeted.only == ("aqua", "qasc", "ecqa")
+    assert settings.targeted.candidates["lora_round_robin"] == declared["candidates"]["lora_round_robin"]
+    assert settings.targeted.candidates["hidden_small_round_robin"]["source"] == "small"
+    with pytest.raises(SystemExit, match="aqua"):  # "each" is every group: the SmolLM2 grid runs the chosen three
+        quality.settings_from_args(quality.parse_args(["--model", "smollm2", "--data", "bench/real/data/flan_cot",
+                                                       "--target", "each"]), [])
+    # The stories260K instrument keeps its own declared candidates, without the SmolLM2 grid's.
+    stories = quality.settings_from_args(quality.parse_args(["--target", "each"]), ["--target", "each"])
+    assert "lora_round_robin" not in stories.targeted.candidates and stories.train_fraction == 1.0
