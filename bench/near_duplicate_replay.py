@@ -7,7 +7,8 @@ Reads a targeted run's analysis folder (features.npy, target_features.npy, label
 and the run's data/train.jsonl (each record's `family`), and prints: the largest dimension's mean |value| against
 the median one's (how anisotropic the rows are), the target group's own pairs (median cosine, share at or above
 each threshold), the share of the target group among the 10 records nearest each target example, and the target
-group's share of the library's `round_robin` pick at each threshold (the budget: the run's record of it). The
+group's share of the library's `round_robin` pick at each threshold, plain and with `dedup_centre` (the test on the
+rows less the pool's mean unit row; the budget: the run's record of it). The
 figures docs/targeted.md gives for SmolLM2's hidden features ("Near-duplicates") come from this command.
 """
 from __future__ import annotations
@@ -42,14 +43,17 @@ def replay(work: Path, analysis: str, group: str) -> dict:
     magnitude = np.abs(features).mean(axis=0)
     rows = np.flatnonzero(labels >= 0)
     target = SimpleNamespace(features=examples, groups=np.zeros(len(examples), dtype=np.int64))
-    picks = {threshold: float((groups[round_robin(features, rows, target, budget, threshold,
-                                                  clusters=labels[rows])] == group).mean())
-             for threshold in THRESHOLDS}
+    def share(threshold: float, centre: bool) -> float:
+        pick = round_robin(features, rows, target, budget, threshold, clusters=labels[rows], dedup_centre=centre)
+        return float((groups[pick] == group).mean())
+
+    picks = {threshold: share(threshold, False) for threshold in THRESHOLDS}
+    centred = {threshold: share(threshold, True) for threshold in THRESHOLDS}
     return {"largest_dimension": float(magnitude.max()), "median_dimension": float(np.median(magnitude)),
             "pairs_median_cosine": float(np.median(pairs)),
             "pairs_at_or_above": {t: float((pairs >= t).mean()) for t in THRESHOLDS},
             "nearest_share": float((groups[nearest] == group).mean()), "budget": budget,
-            "round_robin_share": picks}
+            "round_robin_share": picks, "round_robin_share_dedup_centre": centred}
 
 
 def main() -> int:

@@ -98,6 +98,9 @@ class ClusterSamplingConfig(BaseModel):
     # semdedup, round_robin, clusters: cosine similarity at or above which a sample is a near-duplicate of one read
     # (or taken) before it.
     dedup_similarity: float = Field(default_of("dedup_similarity"), gt=0.0, le=1.0)
+    # The near-duplicate test on each row's unit vector less the pool's mean one (features where one direction
+    # carries most of every row, such as a language model's last hidden layer).
+    dedup_centre: bool = default_of("dedup_centre")
     capacity_factor: Optional[float] = Field(default_of("capacity_factor"), ge=1.0)
     capacity_neighbors: int = Field(default_of("capacity_neighbors"), ge=1)
     kmeans_n_init: int = Field(default_of("kmeans_n_init"), ge=1)

@@ -131,6 +131,8 @@ class SelectionSettings(_Declared):
     budget_samples: Optional[int] = declared("budget_samples", None)
     selection: str = declared("selection", "random")
     dedup_similarity: float = declared("dedup_similarity", 0.95, unrecorded=AT_DEFAULT)
+    # Whether the near-duplicate test reads the rows less the pool's mean unit row (anisotropic features).
+    dedup_centre: bool = declared("dedup_centre", False, unrecorded=AT_DEFAULT)
     # The target examples a targeted selection ("round_robin", "clusters") reads; None: no target.
     target: Optional[TargetSettings] = declared("target", None, unrecorded=AT_DEFAULT)
     weighting: str = declared("weighting", SHARED_DEFAULTS["weighting"])

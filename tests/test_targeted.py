@@ -120,11 +120,12 @@ def test_a_missing_target_file_names_the_key(tokenizer, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- round robin
-def _reference_round_robin(features, target, total, similarity, clusters=None):
+def _reference_round_robin(features, target, total, similarity, clusters=None, dedup_rows=None):
     """The rule computed directly: the whole similarity matrix, each query's full order, turns in order, a
-    near-duplicate of a record taken from its cluster skipped."""
+    near-duplicate of a record taken from its cluster skipped (tested on `dedup_rows`' unit rows when given)."""
     clusters = np.zeros(len(features), int) if clusters is None else np.asarray(clusters)
     units, examples = _unit(features), _unit(target.features)
+    tested = units if dedup_rows is None else _unit(dedup_rows)
     table = np.round(units @ examples.T, 9)
     groups = np.asarray(target.groups)
     names = np.unique(groups)
@@ -138,7 +139,7 @@ def _reference_round_robin(features, target, total, similarity, clusters=None):
                 if row in taken or row in skipped:
                     continue
                 same = [other for other in taken if clusters[other] == clusters[row]]
-                if same and np.round((units[same] @ units[row]).max(), 9) >= similarity:
+                if same and np.round((tested[same] @ tested[row]).max(), 9) >= similarity:
                     skipped.add(row)
                     continue
                 taken.append(row)
@@ -184,6 +185,58 @@ def test_several_targets_take_turns_whatever_their_score_scale():
     assert abs(int((best_of[chosen] == 0).sum()) - 10) <= 1  # half each, not all to the closer target
     with pytest.raises(ValueError, match="budget of 2 records is smaller than the 3 targets"):
         targeted.round_robin(pool, np.arange(len(pool)), _target(pool[:3], [0, 1, 2]), 2, 0.95)
+
+
+def _anisotropic_pool(seed=4):
+    """A pool where one direction carries most of every row (as in a language model's last hidden layer): 300
+    records of five groups around their own points in the other dimensions, group 2 tight (every pair's cosine at
+    or above 0.95 but a few), the others spread."""
+    rng = np.random.default_rng(seed)
+    groups = np.repeat(np.arange(5), 60)
+    spread = np.where(groups == 2, 0.2, 0.6)[:, None]
+    small = _unit(rng.normal(size=(5, 15)))[groups] + rng.normal(0, 1, (300, 15)) * spread
+    rows = np.concatenate([np.full((300, 1), 5.0), small], axis=1)
+    return rows.astype(np.float32), groups
+
+
+def test_centred_rows_are_the_unit_rows_less_the_pools_mean_unit_row(monkeypatch):
+    pool = _pool(50) * np.random.default_rng(5).uniform(0.5, 3.0, (50, 1)).astype(np.float32)
+    rows = np.arange(0, 50, 3)
+    monkeypatch.setattr(targeted, "SIMILARITY_BLOCK", 37)  # blocks of 2 rows
+    centred = targeted.centred_rows(pool, rows)
+    expected = _unit(pool) - _unit(pool[rows]).mean(axis=0)
+    assert centred.dtype == np.float32 and np.allclose(centred, expected, atol=1e-6)
+    symmetric = np.concatenate([pool, -pool])  # a pool whose mean unit row is zero: centring changes nothing
+    assert np.allclose(targeted.centred_rows(symmetric, np.arange(100)), _unit(symmetric), atol=1e-6)
+
+
+def test_dedup_centre_keeps_an_anisotropic_pools_target_group_from_being_skipped():
+    pool, groups = _anisotropic_pool()
+    units = _unit(pool)
+    same = (units[groups == 2] @ units[groups == 2].T)[np.triu_indices(60, 1)]
+    assert (same >= 0.95).mean() > 0.99 and np.median(units[groups == 2] @ units[groups != 2].T) < 0.9
+    examples = pool[groups == 2][:8] + np.random.default_rng(6).normal(0, 0.05, (8, 16)).astype(np.float32)
+    target = _target(examples, [0] * 8)
+    plain = targeted.round_robin(pool, np.arange(300), target, 30, 0.95)
+    centred = targeted.round_robin(pool, np.arange(300), target, 30, 0.95, dedup_centre=True)
+    # Plain: the first take from the target group makes the rest of it near-duplicates: the other groups fill in.
+    assert (groups[plain] == 2).sum() == 1
+    assert centred.tolist() == _reference_round_robin(pool, target, 30, 0.95,
+                                                      dedup_rows=_unit(pool) - _unit(pool).mean(axis=0))
+    assert (groups[centred] == 2).mean() >= 0.9
+    # Through the config and the plan, for both targeted rules and semdedup; the key is recorded once set.
+    for selection in ("round_robin", "clusters"):
+        config = _config(selection=selection, num_clusters=5, budget_samples=30, dedup_centre=True,
+                         target={"data": "t.jsonl", "cluster_floor": 0})
+        clusters = cluster_samples(PlanInputs(pool, groups, None), config.stages().clustering, 1)
+        plan = build_plan(clusters, config, BatchShape(1, 5, 1), target=target)
+        assert plan.settings["dedup_centre"] is True and (groups[plan.selected] == 2).mean() >= 0.9
+    plain_config = _config(selection="round_robin", num_clusters=5, budget_samples=30, target={"data": "t.jsonl"})
+    clusters = cluster_samples(PlanInputs(pool, groups, None), plain_config.stages().clustering, 1)
+    assert "dedup_centre" not in build_plan(clusters, plain_config, BatchShape(1, 5, 1), target=target).settings
+    semdedup = _config(selection="semdedup", num_clusters=5, budget_samples=50, dedup_centre=True, weighting="none")
+    kept = build_plan(clusters, semdedup, BatchShape(1, 5, 1)).kept_sizes
+    assert kept.sum() == 50
 
 
 # -------------------------------------------------------------------------------------------- clusters rule

@@ -316,7 +316,7 @@ def _select_in_clusters(clusters: Clusters, chosen: Any, selection: Any, cluster
     return select_in_clusters(clusters.labels, kept_sizes, selection, SelectionInputs(
         distances=clusters.distances if has_geometry else None, norms=norms,
         features=points if selection.reads_rows else None, seed=chosen.seed,
-        dedup_similarity=chosen.dedup_similarity))
+        dedup_similarity=chosen.dedup_similarity, dedup_centre=chosen.dedup_centre))
 
 
 def _targeted_selection(clusters: Clusters, chosen: Any, selection: Any, cluster_sizes: np.ndarray,
@@ -342,7 +342,8 @@ def _targeted_selection(clusters: Clusters, chosen: Any, selection: Any, cluster
     total = budget_total(cluster_sizes, chosen.planned_ratio, chosen.budget_samples)
     selected = selection.select_toward(TargetedInputs(
         features=clusters.features, labels=clusters.labels, centroids=clusters.centroids, target=target,
-        total=total, floor=chosen.target.cluster_floor, dedup_similarity=chosen.dedup_similarity))
+        total=total, floor=chosen.target.cluster_floor, dedup_similarity=chosen.dedup_similarity,
+        dedup_centre=chosen.dedup_centre))
     kept_sizes = np.bincount(clusters.labels[selected], minlength=clusters.num_clusters).astype(np.int64)
     return selected, kept_sizes
 

@@ -31,8 +31,8 @@ from typing import ClassVar, Optional, Union
 import numpy as np
 
 from ds_cluster.planning.diversity import k_center_greedy, semantic_dedup
-from ds_cluster.planning.targeted import (TargetRows, check_budget_covers_targets, cluster_budgets_toward,
-                                          member_centroids, round_robin, target_scores)
+from ds_cluster.planning.targeted import (TargetRows, centred_rows, check_budget_covers_targets,
+                                          cluster_budgets_toward, member_centroids, round_robin, target_scores)
 from ds_cluster.registry import Registry
 
 
@@ -45,6 +45,8 @@ class SelectionInputs:
     features: Optional[np.ndarray] = None
     seed: int = 0
     dedup_similarity: float = 0.95
+    # semdedup: test near-duplicates on the rows less the pool's mean unit row (targeted.centred_rows).
+    dedup_centre: bool = False
 
 
 class SelectionRule(ABC):
@@ -180,9 +182,10 @@ class SemDedup(SelectionRule):
         # A cluster is read in random's seeded order, so without near-duplicates it keeps what random keeps.
         keys = rng.random(labels.size)
         chosen = np.zeros(labels.size, dtype=bool)
+        rows = centred_rows(inputs.features, np.flatnonzero(labels >= 0)) if inputs.dedup_centre else inputs.features
         for members, keep in _clusters_in_index_order(labels, counts, kept_sizes):
             ordered = members[_stable_argsort(keys[members])]
-            chosen[semantic_dedup(inputs.features, ordered, keep, inputs.dedup_similarity)] = True
+            chosen[semantic_dedup(rows, ordered, keep, inputs.dedup_similarity)] = True
         return np.flatnonzero(chosen).astype(np.int64, copy=False)
 
 
@@ -198,6 +201,7 @@ class TargetedInputs:
     total: int
     floor: int
     dedup_similarity: float
+    dedup_centre: bool = False
 
 
 class TargetedRule(SelectionRule):
@@ -222,7 +226,7 @@ class RoundRobin(TargetedRule):
     def select_toward(self, inputs: TargetedInputs) -> np.ndarray:
         rows = np.flatnonzero(inputs.labels >= 0)
         return round_robin(inputs.features, rows, inputs.target, inputs.total, inputs.dedup_similarity,
-                           inputs.labels[rows])
+                           inputs.labels[rows], dedup_centre=inputs.dedup_centre)
 
 
 class TowardTargetClusters(TargetedRule):
@@ -239,9 +243,10 @@ class TowardTargetClusters(TargetedRule):
         score = np.full(labels.size, -np.inf)
         score[rows] = target_scores(inputs.features, rows, inputs.target)[0]
         chosen = np.zeros(labels.size, dtype=bool)
+        dedup_rows = centred_rows(inputs.features, rows) if inputs.dedup_centre else inputs.features
         for members, keep in _clusters_in_index_order(labels, sizes, kept):
             ordered = members[np.lexsort((members, -score[members]))]  # most similar first, ties to the lower index
-            chosen[semantic_dedup(inputs.features, ordered, int(keep), inputs.dedup_similarity)] = True
+            chosen[semantic_dedup(dedup_rows, ordered, int(keep), inputs.dedup_similarity)] = True
         return np.flatnonzero(chosen).astype(np.int64, copy=False)
 
 

@@ -13,7 +13,9 @@ the lower index on every machine and every rank builds the same plan.
 Near-duplicates (one example rendered under many templates) never fill a selection: a record whose similarity to a
 record already taken from its cluster is at or above `dedup_similarity` is skipped (near-duplicates share a cluster;
 testing within it keeps the cost O(S^2 d / K)), and skipped records come back only when nothing else is left (most
-similar to the target first).
+similar to the target first). With `dedup_centre`, that test reads each row's unit vector less the pool's mean unit
+row (`centred_rows`): on features where one direction carries most of every row (a language model's last hidden
+layer), unrelated records sit near cosine 1 and the plain test would skip most of the records that match the target.
 """
 from __future__ import annotations
 
@@ -40,6 +42,22 @@ def unit_rows(rows: np.ndarray) -> np.ndarray:
     rows = np.asarray(rows, dtype=np.float64)
     lengths = np.linalg.norm(rows, axis=1, keepdims=True)
     return rows / np.where(lengths > 0, lengths, 1.0)
+
+
+def centred_rows(features: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """(N, d) float32: every row's unit vector less the mean unit vector of the pool `rows` (a row equal to that
+    mean becomes zero, similar to nothing). The mean is summed a block at a time in a fixed order, so every rank
+    gets the same rows; the copy is the features' size in float32."""
+    rows = np.asarray(rows, dtype=np.int64)
+    count, width = features.shape
+    total = np.zeros(width, dtype=np.float64)
+    for start, stop in _blocks(rows.size, width):
+        total += unit_rows(features[rows[start:stop]]).sum(axis=0)
+    mean = total / max(rows.size, 1)
+    centred = np.empty((count, width), dtype=np.float32)
+    for start, stop in _blocks(count, width):
+        centred[start:stop] = unit_rows(features[start:stop]) - mean
+    return centred
 
 
 def _queries(target: TargetRows) -> tuple[np.ndarray, int]:
@@ -138,10 +156,11 @@ def check_budget_covers_targets(total: int, target: TargetRows) -> None:
 
 
 def round_robin(features: np.ndarray, rows: np.ndarray, target: TargetRows, total: int, dedup_similarity: float,
-                clusters: Optional[np.ndarray] = None) -> np.ndarray:
+                clusters: Optional[np.ndarray] = None, dedup_centre: bool = False) -> np.ndarray:
     """`total` of the pool `rows` (sample indices, ascending), taken in turns by the target examples (one target) or
     by the targets (several), each its best match not yet taken, a near-duplicate of a record already taken from its
-    cluster (`clusters`: each row's; None, one cluster) skipped; sorted int64 sample indices. Long because the turns,
+    cluster (`clusters`: each row's; None, one cluster) skipped (tested on `centred_rows` with `dedup_centre`); sorted
+    int64 sample indices. Long because the turns,
     the refill of a query's candidates and the near-duplicate fill are one loop."""
     check_budget_covers_targets(total, target)
     if total >= rows.size:
@@ -151,7 +170,8 @@ def round_robin(features: np.ndarray, rows: np.ndarray, target: TargetRows, tota
     count = min(rows.size, 2 * -(-total // num_queries) + 16)
     candidates = _top_matches(features, rows, examples, query_of, num_queries, count)
     pointers = np.zeros(num_queries, dtype=np.int64)
-    taken = _Taken(features, np.zeros(rows.size, np.int64) if clusters is None else clusters, dedup_similarity)
+    taken = _Taken(centred_rows(features, rows) if dedup_centre else features,
+                   np.zeros(rows.size, np.int64) if clusters is None else clusters, dedup_similarity)
     active = [True] * num_queries
     while taken.count < total and any(active):
         for query in range(num_queries):
