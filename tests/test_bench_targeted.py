@@ -119,3 +119,31 @@ def test_the_smollm2_targeted_grid_takes_its_declared_design_and_names_its_targe
     # The stories260K instrument keeps its own declared candidates, without the SmolLM2 grid's.
     stories = quality.settings_from_args(quality.parse_args(["--target", "each"]), ["--target", "each"])
     assert "lora_round_robin" not in stories.targeted.candidates and stories.train_fraction == 1.0
+
+
+def test_candidates_are_compared_with_the_first_declared_seed_by_seed(tmp_path):
+    from bench.harness.arms import Arm
+    from bench.harness.summary import mean_ci
+    from bench.harness.targeted_summary import TargetedRun
+
+    for folder in ("targets", "data", "arms"):
+        (tmp_path / folder).mkdir()
+    targets = [{"name": name, "groups": [name], "transfer": False} for name in ("a", "b")]
+    (tmp_path / "targets" / "draws.json").write_text(json.dumps({"targets": targets, "draws": {}}))
+    for split in ("validation", "train"):
+        (tmp_path / "data" / f"{split}.jsonl").write_text(json.dumps({"family": "a"}) + "\n")
+    losses = {("first", "a", 0): 1.0, ("first", "b", 0): 1.0, ("first", "a", 1): 1.0, ("first", "b", 1): 1.0,
+              ("second", "a", 0): 0.8, ("second", "b", 0): 0.6, ("second", "a", 1): 0.9, ("second", "b", 1): 0.9,
+              ("first", "a", 2): 1.0, ("first", "b", 2): 1.0, ("second", "a", 2): 0.0}  # seed 2: b unfinished
+    arms = []
+    for (method, target, seed), loss in losses.items():
+        arm = Arm(name=f"{method}_{target}_s{seed}", setting=method, method=method, seed=seed, analysis="x",
+                  fraction=None, cluster_sampling={}, epochs=1, target=target)
+        (tmp_path / "arms" / f"{arm.name}.json").write_text(json.dumps({"heldout": {"loss": {target: loss}}}))
+        arms.append(arm)
+    run = TargetedRun(tmp_path, arms)
+    # Per seed, the mean over the targets of second minus first: -0.3 and -0.1; seed 2 lacks a target.
+    paired, expected = run.paired("second", "first", "heldout", ["a", "b"]), mean_ci([-0.3, -0.1])
+    assert paired["n"] == 2 and paired["mean"] == pytest.approx(-0.2) and paired["ci"] == pytest.approx(expected["ci"])
+    assert run.paired("first", "first", "heldout", ["a", "b"])["mean"] == 0.0
+    assert run.paired("third", "first", "heldout", ["a", "b"]) is None

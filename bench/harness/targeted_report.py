@@ -65,6 +65,11 @@ def write_targeted_report(settings: Settings, arms: Sequence[Arm], validation_on
               *_averaged_table(validation, settings), "",
               f"Chosen by the declared rule (lowest mean target-group validation loss): **{chosen}**." if chosen
               else "No candidate finished: nothing chosen.", ""]
+    against_first = {name: run.paired(name, candidates[0], "validation", singles) for name in candidates[1:]}
+    if any(against_first.values()):
+        lines += [f"Each candidate minus the first declared (`{candidates[0]}`), paired seed by seed (a difference "
+                  "inside its interval is noise):", "",
+                  *[f"- `{name}`: {format_stat(cell)}" for name, cell in against_first.items() if cell], ""]
     leads = oracle_leads(run.table("validation"), singles)
     lines += ["## validation: the label oracle's lead over random, per single-group target", "",
               "| target | random minus oracle (target-group loss) |", "|---|---|",
@@ -73,7 +78,8 @@ def write_targeted_report(settings: Settings, arms: Sequence[Arm], validation_on
               f"\"targeted\" rule): {', '.join(list(leads)[:SMOLLM2_TARGETS]) or 'none finished'}.", ""]
     payload: dict[str, Any] = {"design": run.draws, "validation": validation, "chosen": chosen,
                                "diagnostics": checks, "oracle_lead_validation": leads,
-                               "smollm2_targets": list(leads)[:SMOLLM2_TARGETS]}
+                               "smollm2_targets": list(leads)[:SMOLLM2_TARGETS],
+                               "against_first_candidate": against_first}
     if not validation_only:
         heldout = run.averaged("heldout", singles)
         per_target = run.table("heldout")

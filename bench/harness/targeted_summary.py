@@ -155,6 +155,18 @@ class TargetedRun:
                 out[method] = {key: mean_ci(values) for key, values in rows.items()}
         return out
 
+    def paired(self, method: str, reference: str, split: str, singles: Sequence[str]) -> Optional[dict]:
+        """`method`'s target-group loss minus `reference`'s, averaged over the single-group targets seed by seed,
+        mean ± CI over the seeds (None until both have every target of a seed)."""
+        per_seed = []
+        for seed in sorted({arm.seed for arm in self.arms}):
+            pairs = [(self.arm(method, target, seed), self.arm(reference, target, seed)) for target in singles]
+            if pairs and all(mine is not None and theirs is not None for mine, theirs in pairs):
+                per_seed.append(float(np.mean([self.target_loss(mine, target, split) -
+                                               self.target_loss(theirs, target, split)
+                                               for (mine, theirs), target in zip(pairs, singles)])))
+        return mean_ci(per_seed) if per_seed else None
+
     def oracle_closed(self, method: str, split: str, singles: Sequence[str]) -> Optional[float]:
         """(random - method) / (random - oracle), summed over the single-group targets and seeds: the share of the
         oracle's lead over random the method closes."""
