@@ -48,13 +48,14 @@ def job(small_job: Path, tmp_path_factory) -> Path:
     return root
 
 
-def targeted_config(job: Path, name: str, target: str, analysis: Path) -> Path:
-    """zero3.json with a targeted block: hidden features, round_robin over `target`, a quarter of the data kept."""
+def targeted_config(job: Path, name: str, target: str, analysis: Path, **keys) -> Path:
+    """zero3.json with a targeted block: hidden features, round_robin over `target`, a quarter of the data kept;
+    `keys` added to the block."""
     config = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
     config["data_efficiency"]["data_sampling"]["cluster_sampling"] = {
         "enabled": True, "feature_kind": "hidden", "num_clusters": 4, "selection": "round_robin",
         "budget_ratio": 0.25, "weighting": "none", "analysis_path": str(analysis), "seed": 7,
-        "target": {"data": str(job / target), "group_field": "family", "min_examples": 4}}
+        "target": {"data": str(job / target), "group_field": "family", "min_examples": 4}, **keys}
     path = job / f"{name}.json"
     path.write_text(json.dumps(config))
     return path
@@ -72,7 +73,7 @@ def rule_pick(analysis: Path, config: Path) -> np.ndarray:
     settings = ClusterSamplingConfig.from_ds_config(config).stages().selection
     rows = np.flatnonzero(~inputs.exclude) if inputs.exclude is not None else np.arange(folder.num_samples())
     return round_robin(inputs.features, rows, folder.load_target(), round(0.25 * rows.size), settings.dedup_similarity,
-                       inputs.labels[rows])
+                       inputs.labels[rows], dedup_centre=settings.dedup_centre)
 
 
 # ------------------------------------------------------------------------------------------------ launches
@@ -108,9 +109,10 @@ def resumed_run(small_job: Path, job: Path, hook_run: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def retargeted(small_job: Path, job: Path, hook_run: Path) -> Path:
-    """ClusterTrainer (deepspeed launcher) on a copy of the hook's analysis, configured with another target set."""
+    """ClusterTrainer (deepspeed launcher) on a copy of the hook's analysis, configured with another target set and
+    the near-duplicate test on the centred rows."""
     shutil.copytree(job / "hook_analysis", job / "retarget_analysis")
-    config = targeted_config(job, "retarget", "second.jsonl", job / "retarget_analysis")
+    config = targeted_config(job, "retarget", "second.jsonl", job / "retarget_analysis", dedup_centre=True)
     out = job / "retarget_run"
     check(run_deepspeed([HF_WORKER, "--deepspeed", str(config), "--model", str(small_job / "model"), "--data",
                          str(small_job / "train.jsonl"), "--out", str(out), "--max-steps", "2", "--save-steps",
@@ -184,7 +186,8 @@ def test_a_changed_target_makes_a_new_selection_and_keeps_the_records_features(r
     config = ClusterSamplingConfig.from_ds_config(job / "retarget.json")
     inputs = new.load_inputs(new.num_samples())
     plan = build_plan(cluster_samples(inputs, config.stages().clustering, 2), config, SHAPE, target=new.load_target())
-    assert (retargeted / "plan_fingerprint.txt").read_text() == plan.fingerprint()
+    assert (retargeted / "plan_fingerprint.txt").read_text() == plan.fingerprint()  # the job's plan, key included
+    assert plan.settings["dedup_centre"] is True
     assert plan.selected.tolist() == rule_pick(new.path, job / "retarget.json").tolist()
     assert plan.selected.tolist() != Plan.load(hook_run / "plan").selected.tolist()
 
